@@ -1,0 +1,1 @@
+"""Simulations of THC training under packet loss, stragglers and scale."""

@@ -1,0 +1,111 @@
+"""The (randomized) Walsh-Hadamard transform: orthonormal, O(d log d), exact inverse, any length.
+
+Lengths that are not a power of two are zero-padded to the next power of two D. The padding is the
+price of a single global rotation: the transformed vector (D coordinates) is what gets quantized and
+sent, so a length just above a power of two costs up to 2x the bits of the unpadded vector. We keep
+the global rotation rather than transforming fixed-size blocks because THC's scale
+M = t_p * max_norm / sqrt(D) assumes that every transformed coordinate is ~N(0, ||x||^2 / D), which
+holds for a whole-vector rotation but not for blocks whose norms differ.
+
+Two engines compute the same transform: the ``fht-cpu`` package (SIMD, CPU float32/float64) and a
+vectorized pure-torch butterfly that runs unchanged on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+from worker_lib.thc.signs import SignKey, rademacher
+
+try:  # optional fast CPU engine
+    import fht_cpu as _fht_cpu
+except ImportError:  # pragma: no cover - exercised on machines without the wheel
+    _fht_cpu = None
+
+Backend = Literal["auto", "torch", "fht-cpu"]
+
+
+def have_fht_cpu() -> bool:
+    """Whether the fht-cpu engine is importable here."""
+    return _fht_cpu is not None
+
+
+def next_pow2(d: int) -> int:
+    """Smallest power of two >= d (d >= 1)."""
+    if d < 1:
+        raise ValueError(f"length must be positive, got {d}")
+    return 1 << (d - 1).bit_length()
+
+
+def _fwht_torch(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1]
+    y = x.reshape(-1, n)
+    h = 1
+    while h < n:
+        y = y.view(-1, n // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return y.reshape(x.shape)
+
+
+def _use_fht_cpu(x: torch.Tensor, backend: Backend) -> bool:
+    eligible = (_fht_cpu is not None and x.device.type == "cpu"
+                and x.dtype in (torch.float32, torch.float64) and x.dim() in (1, 2))
+    if backend == "fht-cpu" and not eligible:
+        raise ValueError("the fht-cpu backend needs the fht-cpu package and a 1-D or 2-D CPU "
+                         "float32/float64 tensor")
+    return eligible and backend != "torch"
+
+
+def fwht(x: torch.Tensor, *, normalize: bool = True, backend: Backend = "auto") -> torch.Tensor:
+    """Walsh-Hadamard transform along the last dimension (a power of two); returns a new tensor.
+
+    With ``normalize`` the transform is H / sqrt(n), orthonormal and its own inverse.
+    """
+    n = x.shape[-1]
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"the last dimension must be a power of two, got {n}")
+    if not x.is_floating_point():
+        raise TypeError(f"need a floating-point tensor, got {x.dtype}")
+    if _use_fht_cpu(x, backend):
+        out = x.detach().clone(memory_format=torch.contiguous_format)
+        _fht_cpu.fht(out.numpy(), inplace=True)
+    else:
+        out = _fwht_torch(x)
+    if normalize:
+        out.mul_(1.0 / math.sqrt(n))
+    return out
+
+
+class RandomizedHadamard:
+    """RHT(x) = H D x / sqrt(D) for one (job, tensor, step): fixed length, fixed signs, exact inverse."""
+
+    def __init__(self, d: int, key: SignKey, *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, backend: Backend = "auto") -> None:
+        self.d = d
+        self.padded = next_pow2(d)
+        self.backend: Backend = backend
+        self.signs = rademacher(key, self.padded, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Transform a length-d vector into the padded length-D rotated vector."""
+        if x.shape != (self.d,):
+            raise ValueError(f"expected a vector of length {self.d}, got shape {tuple(x.shape)}")
+        if self.padded == self.d:
+            y = x * self.signs
+        else:
+            y = torch.zeros(self.padded, dtype=self.signs.dtype, device=self.signs.device)
+            torch.mul(x, self.signs[: self.d], out=y[: self.d])
+        return fwht(y, backend=self.backend)
+
+    def inverse(self, y: torch.Tensor) -> torch.Tensor:
+        """Rotate a length-D vector back and return its first d coordinates."""
+        if y.shape != (self.padded,):
+            raise ValueError(f"expected a vector of length {self.padded}, got shape {tuple(y.shape)}")
+        z = fwht(y.to(self.signs.dtype), backend=self.backend)
+        z.mul_(self.signs)
+        return z[: self.d]

@@ -1,0 +1,153 @@
+"""Stochastic quantization onto a lookup table's values, index packing, and the aggregator's sum.
+
+The vectorized kernels here are shared by every THC variant: uniform THC (identity table),
+non-uniform THC (any table) and the training pipeline (Algorithm 3). They run on torch tensors, on CPU
+or GPU unchanged; only the source of uniform random numbers differs (numpy's PCG64 on CPU, which is
+faster there, torch's generator elsewhere).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from worker_lib.thc.table import LookupTable
+
+
+class UniformSource:
+    """Uniform [0, 1) float32 random numbers for stochastic rounding on one device."""
+
+    def __init__(self, device: torch.device | str = "cpu", seed: int | None = None) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cpu":
+            self._np = np.random.default_rng(seed)
+        else:
+            self._torch = torch.Generator(device=self.device)
+            if seed is None:
+                self._torch.seed()
+            else:
+                self._torch.manual_seed(seed)
+
+    def fill(self, out: torch.Tensor) -> torch.Tensor:
+        """Fill a float32 tensor of this device in place and return it."""
+        if self.device.type == "cpu":
+            self._np.random(dtype=np.float32, out=out.numpy())
+        else:
+            torch.rand(out.shape, generator=self._torch, out=out, device=self.device)
+        return out
+
+
+class TableQuantizer:
+    """Unbiased stochastic rounding of grid positions y in [0, g] to the table's values.
+
+    For every unit cell [c, c + 1) of the grid the table segment [T[j], T[j+1]] that contains it is
+    precomputed, so quantizing is a handful of gathers instead of a search over table values.
+    """
+
+    def __init__(self, table: LookupTable, device: torch.device | str = "cpu") -> None:
+        self.table = table
+        self.device = torch.device(device)
+        g = table.granularity
+        values = np.asarray(table.values, dtype=np.int64)
+        seg = np.searchsorted(values, np.arange(g), side="right") - 1
+        self.identity = g == table.size - 1
+        self.values = torch.as_tensor(values.astype(np.int32), device=self.device)
+        self._seg = torch.as_tensor(seg.astype(np.uint8), device=self.device)
+        # (lower value, 1 / segment width) of each cell, gathered together as one 64-bit word
+        pair = np.stack([values[seg].astype(np.float32),
+                         (1.0 / (values[seg + 1] - values[seg])).astype(np.float32)], axis=1)
+        self._pair = torch.as_tensor(np.ascontiguousarray(pair).view(np.int64).ravel(), device=self.device)
+
+    def quantize(self, y: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        """Table indices (uint8) of y in [0, g]; E[T[index]] = y exactly (up to float rounding)."""
+        g = self.table.granularity
+        if self.identity:
+            return torch.floor(uniforms.add_(y)).clamp_(0, g).to(torch.uint8)
+        cell = y.to(torch.int32).clamp_(0, g - 1)
+        pair = torch.index_select(self._pair, 0, cell).view(torch.float32).view(-1, 2)
+        up = (y - pair[:, 0]).mul_(pair[:, 1]) > uniforms
+        idx = torch.index_select(self._seg, 0, cell)
+        return idx.add_(up.view(torch.uint8))
+
+
+def to_grid(x: torch.Tensor, low: float, high: float, granularity: int) -> torch.Tensor:
+    """Clamp x to [low, high] and map it affinely onto [0, g] (a new float32 tensor)."""
+    if not high > low:
+        return torch.zeros_like(x, dtype=torch.float32)
+    y = x.to(torch.float32, copy=True)
+    return y.sub_(low).mul_(granularity / (high - low)).clamp_(0, granularity)
+
+
+def from_grid(y_sum: torch.Tensor, count: int, low: float, high: float, granularity: int) -> torch.Tensor:
+    """low + (sum / count) (high - low) / g: the estimate of the average from integer sums."""
+    scale = (high - low) / (granularity * count)
+    return y_sum.to(torch.float32).mul_(scale).add_(low)
+
+
+def packed_size(count: int, bits: int) -> int:
+    """Bytes that `count` b-bit indices occupy (count rounded up to a multiple of 8)."""
+    return ((count + 7) // 8) * bits
+
+
+def pack_indices(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack b-bit indices into bytes, most significant bits first (index 0 in the top bits of byte 0).
+
+    MSB-first is the order in which a P4 parser extracts consecutive bit<b> fields. The index count is
+    padded with zeros to a multiple of 8 so that every b fits a whole number of bytes.
+    """
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    z = z.to(torch.uint8).reshape(-1)
+    n = z.numel()
+    if n % 8:
+        z = torch.cat([z, z.new_zeros(8 - n % 8)])
+    if bits == 8:
+        return z.clone()
+    if 8 % bits == 0:
+        per = 8 // bits
+        groups = z.view(-1, per)
+        out = groups[:, 0] << (8 - bits)
+        for k in range(1, per):
+            out |= groups[:, k] << (8 - bits * (k + 1))
+        return out
+    groups = z.view(-1, 8).to(torch.int64)
+    word = groups[:, 0] << (bits * 7)
+    for k in range(1, 8):
+        word |= groups[:, k] << (bits * (7 - k))
+    shifts = torch.arange(bits - 1, -1, -1, device=z.device, dtype=torch.int64) * 8
+    return ((word[:, None] >> shifts) & 0xFF).to(torch.uint8).reshape(-1)
+
+
+def unpack_indices(buf: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of pack_indices: the first `count` indices (uint8)."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    buf = buf.to(torch.uint8).reshape(-1)
+    if buf.numel() < packed_size(count, bits):
+        raise ValueError(f"{buf.numel()} bytes cannot hold {count} indices of {bits} bits")
+    if bits == 8:
+        return buf[:count].clone()
+    mask = (1 << bits) - 1
+    if 8 % bits == 0:
+        shifts = torch.arange(8 - bits, -1, -bits, device=buf.device, dtype=torch.uint8)
+        return ((buf[:, None] >> shifts) & mask).reshape(-1)[:count]
+    groups = buf[: packed_size(count, bits)].view(-1, bits).to(torch.int64)
+    word = groups[:, 0] << (8 * (bits - 1))
+    for j in range(1, bits):
+        word |= groups[:, j] << (8 * (bits - 1 - j))
+    shifts = torch.arange(7, -1, -1, device=buf.device, dtype=torch.int64) * bits
+    return ((word[:, None] >> shifts) & mask).to(torch.uint8).reshape(-1)[:count]
+
+
+def lookup_sum(values: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """The aggregator's arithmetic: sum over workers of T[index], per coordinate (int64).
+
+    ``indices`` has shape (workers, coordinates); ``values`` is the table as integers.
+    """
+    values = np.asarray(values)
+    indices = np.asarray(indices)
+    if indices.ndim != 2:
+        raise ValueError("indices must have shape (workers, coordinates)")
+    if indices.size and int(indices.max()) >= len(values):
+        raise ValueError("an index is outside the table")
+    return values.astype(np.int64)[indices].sum(axis=0)
