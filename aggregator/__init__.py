@@ -1,1 +1,2 @@
-"""Aggregator side of the THC toolkit: the switch's logic in Python, the userspace server, the control plane."""
+"""Aggregator side of the THC toolkit: the switch's logic in Python, the userspace server, the control
+plane."""

@@ -7,18 +7,8 @@ import json
 import logging
 import sys
 
+from worker_lib.cli.args import fraction
 from worker_lib.thc.nmse import NMSESetting, nmse_trials
-
-
-def _fraction(text: str) -> float:
-    """Accept 0.03125 or 1/32."""
-    try:
-        if "/" in text:
-            num, den = text.split("/", 1)
-            return float(num) / float(den)
-        return float(text)
-    except (ValueError, ZeroDivisionError):
-        raise argparse.ArgumentTypeError(f"not a number or fraction: {text!r}") from None
 
 
 def _add_nmse(sub: argparse._SubParsersAction) -> None:
@@ -28,7 +18,7 @@ def _add_nmse(sub: argparse._SubParsersAction) -> None:
                                    "feedback and print the mean NMSE over the trials.")
     p.add_argument("--bits", type=int, default=4, help="index width b (1..8), default 4")
     p.add_argument("--granularity", type=int, default=38, help="granularity g >= 2^b - 1, default 38")
-    p.add_argument("--p", type=_fraction, default=1 / 32, help="truncation fraction p, e.g. 1/32 (default)")
+    p.add_argument("--p", type=fraction, default=1 / 32, help="truncation fraction p, e.g. 1/32 (default)")
     p.add_argument("--workers", type=int, default=4, help="number of workers n, default 4")
     p.add_argument("--dim", type=int, default=1 << 20, help="gradient length d, default 2^20")
     p.add_argument("--trials", type=int, default=10, help="independent trials to average, default 10")

@@ -12,7 +12,13 @@ from worker_lib.thc.codec import (
 from worker_lib.thc.hadamard import RandomizedHadamard, fwht, next_pow2
 from worker_lib.thc.quantize import lookup_sum, pack_indices, packed_size, unpack_indices
 from worker_lib.thc.signs import SignKey, rademacher
-from worker_lib.thc.table import LookupTable, solve_table, table_objective, truncation_threshold, uniform_table
+from worker_lib.thc.table import (
+    LookupTable,
+    solve_table,
+    table_objective,
+    truncation_threshold,
+    uniform_table,
+)
 
 __all__ = [
     "Encoded", "LookupTable", "RandomizedHadamard", "SignKey", "THCCodec", "THCConfig", "THCWorker",

@@ -19,6 +19,7 @@ from worker_lib.thc.hadamard import Backend, RandomizedHadamard
 from worker_lib.thc.quantize import (
     TableQuantizer,
     UniformSource,
+    Workspace,
     from_grid,
     lookup_sum,
     pack_indices,
@@ -75,12 +76,17 @@ def check_norm(value: float, name: str = "norm") -> float:
 
 @dataclass
 class Encoded:
-    """One worker's compressed vector: indices over the padded transformed length, and its scale."""
+    """One worker's compressed vector: indices over the padded transformed length, and its scale.
+
+    When produced through reusable buffers (the default), ``indices`` lives in them and stays valid
+    until the same tensor is encoded again; copy it to keep it longer.
+    """
 
     indices: torch.Tensor  # uint8, one per transformed coordinate
     scale: float  # M: the grid spans [-M, M]
     length: int  # d, the original length
     bits: int
+    packed_out: torch.Tensor | None = None
 
     @property
     def padded(self) -> int:
@@ -88,11 +94,27 @@ class Encoded:
 
     def packed(self) -> torch.Tensor:
         """The wire bytes: b-bit indices, MSB first."""
-        return pack_indices(self.indices, self.bits)
+        return pack_indices(self.indices, self.bits, out=self.packed_out)
+
+
+class TensorBuffers:
+    """The rotation and preallocated buffers of one tensor length, reused from step to step."""
+
+    def __init__(self, d: int, key: SignKey, device: torch.device, backend: Backend, bits: int) -> None:
+        self.rht = RandomizedHadamard(d, key, device=device, backend=backend)
+        self.ws = Workspace(self.rht.padded, device, bits)
+
+    def use(self, key: SignKey) -> TensorBuffers:
+        self.rht.rekey(key)
+        return self
 
 
 class THCCodec:
-    """Stateless non-uniform THC over the RHT (Algorithm 3 without error feedback)."""
+    """Stateless non-uniform THC over the RHT (Algorithm 3 without error feedback).
+
+    Buffers are kept per vector length; pass ``buffers`` explicitly to keep several vectors of the
+    same length in flight at once (THCWorker does so per tensor).
+    """
 
     def __init__(self, config: THCConfig | None = None, *, device: torch.device | str = "cpu",
                  seed: int | None = None, table: LookupTable | None = None) -> None:
@@ -103,69 +125,95 @@ class THCCodec:
         self.device = torch.device(device)
         self.quantizer = TableQuantizer(self.table, self.device)
         self.uniforms = UniformSource(self.device, seed)
-        self._rotation: tuple[tuple[int, SignKey], RandomizedHadamard] | None = None
+        self._buffers: dict[int, TensorBuffers] = {}
 
-    def rotation(self, d: int, key: SignKey) -> RandomizedHadamard:
-        """The RHT of length d for this key (the last one is kept: encode and decode share it)."""
-        if self._rotation is None or self._rotation[0] != (d, key):
-            rht = RandomizedHadamard(d, key, device=self.device, backend=self.config.backend)
-            self._rotation = ((d, key), rht)
-        return self._rotation[1]
+    def buffers(self, d: int, key: SignKey) -> TensorBuffers:
+        """New buffers for vectors of length d (for callers that keep one set per tensor)."""
+        return TensorBuffers(d, key, self.device, self.config.backend, self.table.bits)
+
+    def _default(self, d: int, key: SignKey) -> TensorBuffers:
+        if d not in self._buffers:
+            if len(self._buffers) >= 8:
+                self._buffers.pop(next(iter(self._buffers)))
+            self._buffers[d] = self.buffers(d, key)
+        return self._buffers[d].use(key)
 
     def scale(self, max_norm: float, padded: int) -> float:
         """M = t_p * max_norm / sqrt(D), D the transformed (padded) length."""
         return self.config.t_p * check_norm(max_norm, "max_norm") / math.sqrt(padded)
 
-    def encode_rotated(self, rotated: torch.Tensor, max_norm: float, length: int) -> Encoded:
-        """Clamp, quantize and map to indices an already rotated vector (may be overwritten)."""
-        big_m = self.scale(max_norm, rotated.numel())
-        y = to_grid(rotated, -big_m, big_m, self.table.granularity)
-        u = self.uniforms.fill(torch.empty(y.shape, dtype=torch.float32, device=self.device))
-        return Encoded(self.quantizer.quantize(y, u), big_m, length, self.table.bits)
+    def rotate(self, x: torch.Tensor, key: SignKey, buffers: TensorBuffers | None = None) -> torch.Tensor:
+        """RHT of a flat float32 vector into the buffers' ``rotated`` (valid until they are reused)."""
+        buf = buffers.use(key) if buffers else self._default(x.numel(), key)
+        return buf.rht.forward(x, out=buf.ws.rotated)
 
-    def encode(self, x: torch.Tensor, max_norm: float, key: SignKey) -> Encoded:
+    def quantize_rotated(self, rotated: torch.Tensor, max_norm: float, length: int,
+                         buffers: TensorBuffers) -> Encoded:
+        """Clamp, stochastically quantize and map to table indices an already rotated vector."""
+        ws = buffers.ws
+        big_m = self.scale(max_norm, rotated.numel())
+        y = to_grid(rotated, -big_m, big_m, self.table.granularity, out=ws.grid)
+        indices = self.quantizer.quantize(y, self.uniforms.fill(ws.uniforms), ws)
+        return Encoded(indices, big_m, length, self.table.bits, ws.packed)
+
+    def encode(self, x: torch.Tensor, max_norm: float, key: SignKey,
+               buffers: TensorBuffers | None = None) -> Encoded:
         """Compress x given the job's maximum norm and the step's sign key."""
         flat = check_vector(x).to(self.device, torch.float32)
-        return self.encode_rotated(self.rotation(flat.numel(), key).forward(flat), max_norm, flat.numel())
+        buf = buffers.use(key) if buffers else self._default(flat.numel(), key)
+        rotated = buf.rht.forward(flat, out=buf.ws.rotated)
+        return self.quantize_rotated(rotated, max_norm, flat.numel(), buf)
 
     def aggregate(self, indices: Sequence[torch.Tensor | np.ndarray]) -> torch.Tensor:
         """What the aggregator computes: the integer sum of T[index] over workers (int64, on CPU)."""
         stacked = np.stack([np.asarray(i.cpu() if isinstance(i, torch.Tensor) else i) for i in indices])
         return torch.from_numpy(lookup_sum(self.table.as_array(), stacked))
 
-    def rotated_estimate(self, sums: torch.Tensor, count: int, scale: float) -> torch.Tensor:
+    def rotated_estimate(self, sums: torch.Tensor, count: int, scale: float,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
         """m + (sums / count)(M - m) / g in the rotated domain."""
         if count < 1:
             raise ValueError(f"the contributor count must be positive, got {count}")
         g = self.table.granularity
         if sums.numel() and (int(sums.min()) < 0 or int(sums.max()) > g * count):
             raise ValueError(f"sums outside [0, g * count] = [0, {g * count}]: wrong count or corrupt data")
-        return from_grid(sums.to(self.device), count, -scale, scale, g)
+        return from_grid(sums.to(self.device), count, -scale, scale, g, out=out)
 
-    def decode(self, sums: torch.Tensor, count: int, scale: float, length: int, key: SignKey) -> torch.Tensor:
-        """The average estimate from integer sums of `count` workers."""
-        rht = self.rotation(length, key)
-        if sums.numel() != rht.padded:
-            raise ValueError(f"expected {rht.padded} sums, got {sums.numel()}")
-        return rht.inverse(self.rotated_estimate(sums.reshape(-1), count, scale))
+    def decode(self, sums: torch.Tensor, count: int, scale: float, length: int, key: SignKey,
+               buffers: TensorBuffers | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The average estimate (length d) from the integer sums of `count` workers.
 
-    def own_values(self, enc: Encoded) -> torch.Tensor:
+        The result is a new tensor unless ``out`` (length d, float32) is given.
+        """
+        buf = buffers.use(key) if buffers else self._default(length, key)
+        if buf.rht.d != length:
+            raise ValueError(f"buffers are for length {buf.rht.d}, not {length}")
+        if sums.numel() != buf.rht.padded:
+            raise ValueError(f"expected {buf.rht.padded} sums, got {sums.numel()}")
+        est = self.rotated_estimate(sums.reshape(-1), count, scale, out=buf.ws.rotated)
+        back = buf.rht.inverse(est, out=est)
+        return back.clone() if out is None else out.copy_(back)
+
+    def own_values(self, enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
         """X_i, the rotated-domain values this worker's indices stand for."""
-        return self.rotated_estimate(self.quantizer.values[enc.indices.long()], 1, enc.scale)
+        looked_up = torch.index_select(self.quantizer.values, 0, enc.indices.to(torch.int32))
+        return from_grid(looked_up, 1, -enc.scale, enc.scale, self.table.granularity, out=out)
 
     def unpack(self, buf: torch.Tensor, count: int) -> torch.Tensor:
         return unpack_indices(buf, self.table.bits, count)
 
 
 @dataclass
-class _Pending:
-    key: SignKey
+class _TensorState:
+    buffers: TensorBuffers
     x: torch.Tensor  # gradient + error feedback, float32
-    rotated: torch.Tensor
-    norm: float
-    shape: torch.Size
-    dtype: torch.dtype
+    error: torch.Tensor  # error feedback carried to the next step
+    key: SignKey | None = None
+    norm: float = 0.0
+    shape: torch.Size = field(default_factory=torch.Size)
+    dtype: torch.dtype = torch.float32
     encoded: Encoded | None = None
+    has_error: bool = False
 
 
 @dataclass
@@ -178,6 +226,9 @@ class THCWorker:
         norm = w.begin(grad, tensor=0, step=s)          # send norm, receive the job's max norm
         payload = w.compress(tensor=0, max_norm=mx)     # send payload.packed() to the aggregator
         avg = w.finish(tensor=0, sums=sums, count=n)    # integer sums and contributor count back
+
+    Each tensor id keeps its own buffers and error feedback; a tensor whose length changes starts
+    afresh (its error feedback is dropped).
     """
 
     config: THCConfig
@@ -186,50 +237,61 @@ class THCWorker:
     device: torch.device | str = "cpu"
     seed: int | None = None
     codec: THCCodec = field(init=False)
-    errors: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
-    _pending: dict[int, _Pending] = field(init=False, default_factory=dict)
+    _tensors: dict[int, _TensorState] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.codec = THCCodec(self.config, device=self.device, seed=self.seed)
 
+    def error(self, tensor: int) -> torch.Tensor | None:
+        """The error feedback this tensor carries into its next step (None if there is none)."""
+        st = self._tensors.get(tensor)
+        return st.error if st is not None and st.has_error else None
+
     def begin(self, grad: torch.Tensor, tensor: int, step: int) -> float:
         """Add error feedback, rotate, and return the norm to publish in the preliminary stage."""
-        flat = check_vector(grad).to(self.codec.device, torch.float32)
-        err = self.errors.get(tensor)
-        if self.config.error_feedback and err is not None and err.numel() == flat.numel():
-            flat = flat + err
+        flat = check_vector(grad)
         key = SignKey.derive(self.job, tensor, step)
-        rotated = self.codec.rotation(flat.numel(), key).forward(flat)
-        norm = float(torch.linalg.vector_norm(flat))
-        self._pending[tensor] = _Pending(key, flat, rotated, norm, grad.shape, grad.dtype)
-        return norm
+        st = self._tensors.get(tensor)
+        if st is None or st.x.numel() != flat.numel():
+            buffers = self.codec.buffers(flat.numel(), key)
+            zeros = torch.zeros(flat.numel(), dtype=torch.float32, device=self.codec.device)
+            st = self._tensors[tensor] = _TensorState(buffers, zeros.clone(), zeros)
+        st.x.copy_(flat)
+        if self.config.error_feedback and st.has_error:
+            st.x.add_(st.error)
+        st.key, st.shape, st.dtype, st.encoded = key, grad.shape, grad.dtype, None
+        st.norm = float(torch.linalg.vector_norm(st.x))
+        self.codec.rotate(st.x, key, st.buffers)
+        return st.norm
 
     def compress(self, tensor: int, max_norm: float) -> Encoded:
         """Quantize with the job's max norm (which must be >= this worker's own norm)."""
-        pend = self._require(tensor)
-        if check_norm(max_norm, "max_norm") < pend.norm * (1 - 1e-6):
-            raise ValueError(f"max_norm {max_norm} is below this worker's norm {pend.norm}")
-        pend.encoded = self.codec.encode_rotated(pend.rotated, max_norm, pend.x.numel())
-        return pend.encoded
+        st = self._require(tensor)
+        if check_norm(max_norm, "max_norm") < st.norm * (1 - 1e-6):
+            raise ValueError(f"max_norm {max_norm} is below this worker's norm {st.norm}")
+        st.encoded = self.codec.quantize_rotated(st.buffers.ws.rotated, max_norm, st.x.numel(), st.buffers)
+        return st.encoded
 
-    def finish(self, tensor: int, sums: torch.Tensor, count: int) -> torch.Tensor:
+    def finish(self, tensor: int, sums: torch.Tensor, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode the average from integer sums and update this worker's error feedback."""
-        pend = self._require(tensor)
-        if pend.encoded is None:
+        st = self._require(tensor)
+        if st.encoded is None:
             raise RuntimeError(f"tensor {tensor}: compress() must come before finish()")
-        codec = self.codec
-        avg = codec.decode(sums, count, pend.encoded.scale, pend.x.numel(), pend.key)
+        avg = self.codec.decode(sums, count, st.encoded.scale, st.x.numel(), st.key, st.buffers)
         if self.config.error_feedback:
-            rht = codec.rotation(pend.x.numel(), pend.key)
-            self.errors[tensor] = pend.x - rht.inverse(codec.own_values(pend.encoded))
-        del self._pending[tensor]
-        return avg.reshape(pend.shape).to(pend.dtype)
+            ws = st.buffers.ws
+            own = self.codec.own_values(st.encoded, out=ws.rotated)
+            torch.sub(st.x, st.buffers.rht.inverse(own, out=own), out=st.error)
+            st.has_error = True
+        st.key = None
+        result = avg.reshape(st.shape).to(st.dtype)
+        return result if out is None else out.copy_(result)
 
-    def _require(self, tensor: int) -> _Pending:
-        try:
-            return self._pending[tensor]
-        except KeyError:
-            raise RuntimeError(f"tensor {tensor}: begin() was not called for this step") from None
+    def _require(self, tensor: int) -> _TensorState:
+        st = self._tensors.get(tensor)
+        if st is None or st.key is None:
+            raise RuntimeError(f"tensor {tensor}: begin() was not called for this step")
+        return st
 
 
 def uniform_encode(x: torch.Tensor, low: float, high: float, bits: int,

@@ -7,8 +7,8 @@ the global rotation rather than transforming fixed-size blocks because THC's sca
 M = t_p * max_norm / sqrt(D) assumes that every transformed coordinate is ~N(0, ||x||^2 / D), which
 holds for a whole-vector rotation but not for blocks whose norms differ.
 
-Two engines compute the same transform: the ``fht-cpu`` package (SIMD, CPU float32/float64) and a
-vectorized pure-torch butterfly that runs unchanged on CPU and GPU.
+Two engines compute the same transform: the ``fht-cpu`` package (SIMD, CPU float32/float64, in place)
+and a vectorized pure-torch butterfly that runs unchanged on CPU and GPU.
 """
 
 from __future__ import annotations
@@ -61,21 +61,27 @@ def _use_fht_cpu(x: torch.Tensor, backend: Backend) -> bool:
     return eligible and backend != "torch"
 
 
-def fwht(x: torch.Tensor, *, normalize: bool = True, backend: Backend = "auto") -> torch.Tensor:
-    """Walsh-Hadamard transform along the last dimension (a power of two); returns a new tensor.
+def fwht(x: torch.Tensor, *, normalize: bool = True, backend: Backend = "auto",
+         inplace: bool = False) -> torch.Tensor:
+    """Walsh-Hadamard transform along the last dimension (a power of two).
 
-    With ``normalize`` the transform is H / sqrt(n), orthonormal and its own inverse.
+    With ``normalize`` the transform is H / sqrt(n), orthonormal and its own inverse. With ``inplace``
+    the result is written into x (which must then be contiguous) and x is returned.
     """
     n = x.shape[-1]
     if n < 1 or n & (n - 1):
         raise ValueError(f"the last dimension must be a power of two, got {n}")
     if not x.is_floating_point():
         raise TypeError(f"need a floating-point tensor, got {x.dtype}")
+    if inplace and not x.is_contiguous():
+        raise ValueError("an in-place transform needs a contiguous tensor")
     if _use_fht_cpu(x, backend):
-        out = x.detach().clone(memory_format=torch.contiguous_format)
-        _fht_cpu.fht(out.numpy(), inplace=True)
+        out = x if inplace else x.detach().clone(memory_format=torch.contiguous_format)
+        _fht_cpu.fht(out.detach().numpy(), inplace=True)
     else:
         out = _fwht_torch(x)
+        if inplace:
+            out = x.copy_(out)
     if normalize:
         out.mul_(1.0 / math.sqrt(n))
     return out
@@ -89,23 +95,30 @@ class RandomizedHadamard:
         self.d = d
         self.padded = next_pow2(d)
         self.backend: Backend = backend
+        self.key = key
         self.signs = rademacher(key, self.padded, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Transform a length-d vector into the padded length-D rotated vector."""
+    def rekey(self, key: SignKey) -> None:
+        """Switch to another step's signs, reusing the sign buffer."""
+        if key != self.key:
+            rademacher(key, self.padded, out=self.signs)
+            self.key = key
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Transform a length-d vector into the padded length-D rotated vector (into ``out`` if given)."""
         if x.shape != (self.d,):
             raise ValueError(f"expected a vector of length {self.d}, got shape {tuple(x.shape)}")
-        if self.padded == self.d:
-            y = x * self.signs
-        else:
-            y = torch.zeros(self.padded, dtype=self.signs.dtype, device=self.signs.device)
-            torch.mul(x, self.signs[: self.d], out=y[: self.d])
-        return fwht(y, backend=self.backend)
+        if out is None:
+            out = torch.empty(self.padded, dtype=self.signs.dtype, device=self.signs.device)
+        torch.mul(x, self.signs[: self.d], out=out[: self.d])
+        out[self.d:].zero_()
+        return fwht(out, backend=self.backend, inplace=True)
 
-    def inverse(self, y: torch.Tensor) -> torch.Tensor:
-        """Rotate a length-D vector back and return its first d coordinates."""
+    def inverse(self, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate a length-D vector back and return its first d coordinates (y is left unchanged)."""
         if y.shape != (self.padded,):
             raise ValueError(f"expected a vector of length {self.padded}, got shape {tuple(y.shape)}")
-        z = fwht(y.to(self.signs.dtype), backend=self.backend)
-        z.mul_(self.signs)
-        return z[: self.d]
+        out = y.to(self.signs.dtype, copy=True) if out is None else out.copy_(y)
+        fwht(out, backend=self.backend, inplace=True)
+        out.mul_(self.signs)
+        return out[: self.d]

@@ -58,30 +58,62 @@ class TableQuantizer:
                          (1.0 / (values[seg + 1] - values[seg])).astype(np.float32)], axis=1)
         self._pair = torch.as_tensor(np.ascontiguousarray(pair).view(np.int64).ravel(), device=self.device)
 
-    def quantize(self, y: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-        """Table indices (uint8) of y in [0, g]; E[T[index]] = y exactly (up to float rounding)."""
+    def quantize(self, y: torch.Tensor, uniforms: torch.Tensor, ws: Workspace | None = None) -> torch.Tensor:
+        """Table indices (uint8) of y in [0, g]; E[T[index]] = y (up to float rounding).
+
+        ``uniforms`` is consumed (overwritten). With a workspace the result is its ``indices`` buffer.
+        """
         g = self.table.granularity
+        ws = ws or Workspace(y.numel(), y.device, self.table.bits)
         if self.identity:
-            return torch.floor(uniforms.add_(y)).clamp_(0, g).to(torch.uint8)
-        cell = y.to(torch.int32).clamp_(0, g - 1)
-        pair = torch.index_select(self._pair, 0, cell).view(torch.float32).view(-1, 2)
-        up = (y - pair[:, 0]).mul_(pair[:, 1]) > uniforms
-        idx = torch.index_select(self._seg, 0, cell)
+            frac = torch.add(uniforms, y, out=ws.frac).floor_().clamp_(0, g)
+            return ws.indices.copy_(frac)
+        cell = ws.cell.copy_(y).clamp_(0, g - 1)  # float -> int truncates; y >= 0
+        pair = torch.index_select(self._pair, 0, cell, out=ws.pair).view(torch.float32).view(-1, 2)
+        frac = torch.sub(y, pair[:, 0], out=ws.frac).mul_(pair[:, 1])
+        up = torch.gt(frac, uniforms, out=ws.up)
+        idx = torch.index_select(self._seg, 0, cell, out=ws.indices)
         return idx.add_(up.view(torch.uint8))
 
 
-def to_grid(x: torch.Tensor, low: float, high: float, granularity: int) -> torch.Tensor:
-    """Clamp x to [low, high] and map it affinely onto [0, g] (a new float32 tensor)."""
-    if not high > low:
-        return torch.zeros_like(x, dtype=torch.float32)
-    y = x.to(torch.float32, copy=True)
-    return y.sub_(low).mul_(granularity / (high - low)).clamp_(0, granularity)
+class Workspace:
+    """Preallocated buffers for vectors of one (padded) length on one device.
+
+    Encoding a 2^20-coordinate vector through freshly allocated tensors spends as much time in page
+    faults as in arithmetic; reusing these buffers step after step makes the steady state allocation
+    free. Results that live in a workspace are valid until the workspace is used again.
+    """
+
+    def __init__(self, n: int, device: torch.device | str, bits: int) -> None:
+        device = torch.device(device)
+        self.n = n
+        self.rotated = torch.empty(n, dtype=torch.float32, device=device)
+        self.grid = torch.empty(n, dtype=torch.float32, device=device)
+        self.uniforms = torch.empty(n, dtype=torch.float32, device=device)
+        self.frac = torch.empty(n, dtype=torch.float32, device=device)
+        self.cell = torch.empty(n, dtype=torch.int32, device=device)
+        self.pair = torch.empty(n, dtype=torch.int64, device=device)
+        self.up = torch.empty(n, dtype=torch.bool, device=device)
+        self.indices = torch.empty(n, dtype=torch.uint8, device=device)
+        self.packed = torch.empty(packed_size(n, bits), dtype=torch.uint8, device=device)
 
 
-def from_grid(y_sum: torch.Tensor, count: int, low: float, high: float, granularity: int) -> torch.Tensor:
+def to_grid(x: torch.Tensor, low: float, high: float, granularity: int,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Clamp x to [low, high] and map it affinely onto [0, g] (float32, into ``out`` if given)."""
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device) if out is None else out
+    if not high > low:  # a zero range: every coordinate is the single point low == high
+        return out.zero_()
+    out.copy_(x)
+    return out.sub_(low).mul_(granularity / (high - low)).clamp_(0, granularity)
+
+
+def from_grid(y_sum: torch.Tensor, count: int, low: float, high: float, granularity: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """low + (sum / count) (high - low) / g: the estimate of the average from integer sums."""
     scale = (high - low) / (granularity * count)
-    return y_sum.to(torch.float32).mul_(scale).add_(low)
+    out = torch.empty(y_sum.shape, dtype=torch.float32, device=y_sum.device) if out is None else out
+    return out.copy_(y_sum).mul_(scale).add_(low)
 
 
 def packed_size(count: int, bits: int) -> int:
@@ -89,7 +121,7 @@ def packed_size(count: int, bits: int) -> int:
     return ((count + 7) // 8) * bits
 
 
-def pack_indices(z: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_indices(z: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Pack b-bit indices into bytes, most significant bits first (index 0 in the top bits of byte 0).
 
     MSB-first is the order in which a P4 parser extracts consecutive bit<b> fields. The index count is
@@ -101,42 +133,62 @@ def pack_indices(z: torch.Tensor, bits: int) -> torch.Tensor:
     n = z.numel()
     if n % 8:
         z = torch.cat([z, z.new_zeros(8 - n % 8)])
+    size = packed_size(n, bits)
+    if out is None:
+        out = torch.empty(size, dtype=torch.uint8, device=z.device)
+    elif out.shape != (size,) or out.dtype != torch.uint8:
+        raise ValueError(f"out must be a uint8 tensor of {size} bytes")
     if bits == 8:
-        return z.clone()
-    if 8 % bits == 0:
-        per = 8 // bits
-        groups = z.view(-1, per)
-        out = groups[:, 0] << (8 - bits)
-        for k in range(1, per):
-            out |= groups[:, k] << (8 - bits * (k + 1))
+        return out.copy_(z)
+    if 8 % bits == 0:  # Horner: byte = ((z0 * 2^b + z1) * 2^b + z2) ...
+        groups = z.view(-1, 8 // bits)
+        out.copy_(groups[:, 0])
+        for k in range(1, 8 // bits):
+            torch.add(groups[:, k], out, alpha=1 << bits, out=out)
         return out
     groups = z.view(-1, 8).to(torch.int64)
     word = groups[:, 0] << (bits * 7)
     for k in range(1, 8):
         word |= groups[:, k] << (bits * (7 - k))
     shifts = torch.arange(bits - 1, -1, -1, device=z.device, dtype=torch.int64) * 8
-    return ((word[:, None] >> shifts) & 0xFF).to(torch.uint8).reshape(-1)
+    return out.copy_(((word[:, None] >> shifts) & 0xFF).reshape(-1))
 
 
-def unpack_indices(buf: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """Inverse of pack_indices: the first `count` indices (uint8)."""
+def unpack_indices(buf: torch.Tensor, bits: int, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of pack_indices: the first `count` indices (uint8, into ``out`` if given)."""
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be in 1..8, got {bits}")
-    buf = buf.to(torch.uint8).reshape(-1)
-    if buf.numel() < packed_size(count, bits):
+    buf = buf.reshape(-1)
+    if buf.dtype != torch.uint8:
+        raise TypeError(f"packed indices must be uint8, got {buf.dtype}")
+    size = packed_size(count, bits)
+    if buf.numel() < size:
         raise ValueError(f"{buf.numel()} bytes cannot hold {count} indices of {bits} bits")
+    full = (size * 8) // bits
+    if out is not None and (out.dtype != torch.uint8 or out.numel() not in (count, full)):
+        raise ValueError(f"out must be a uint8 tensor of {count} (or {full}) indices")
     if bits == 8:
-        return buf[:count].clone()
+        return buf[:count].clone() if out is None else out.copy_(buf[: out.numel()])
     mask = (1 << bits) - 1
     if 8 % bits == 0:
+        per = 8 // bits
         shifts = torch.arange(8 - bits, -1, -bits, device=buf.device, dtype=torch.uint8)
-        return ((buf[:, None] >> shifts) & mask).reshape(-1)[:count]
-    groups = buf[: packed_size(count, bits)].view(-1, bits).to(torch.int64)
+        if out is not None and out.numel() == full:
+            target = out.view(-1, per)
+            torch.bitwise_right_shift(buf[:size, None], shifts, out=target)
+            return out.bitwise_and_(mask)
+        res = ((buf[:size, None] >> shifts) & mask).reshape(-1)[:count]
+        return res if out is None else out.copy_(res)
+    groups = buf[:size].view(-1, bits).to(torch.int64)
     word = groups[:, 0] << (8 * (bits - 1))
     for j in range(1, bits):
         word |= groups[:, j] << (8 * (bits - 1 - j))
     shifts = torch.arange(7, -1, -1, device=buf.device, dtype=torch.int64) * bits
-    return ((word[:, None] >> shifts) & mask).to(torch.uint8).reshape(-1)[:count]
+    res = ((word[:, None] >> shifts) & mask).to(torch.uint8).reshape(-1)
+    if out is None:
+        return res[:count]
+    out.copy_(res[: out.numel()])
+    return out
 
 
 def lookup_sum(values: np.ndarray, indices: np.ndarray) -> np.ndarray:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 MASK32 = 0xFFFFFFFF
@@ -75,11 +76,27 @@ def sign_words(key: SignKey, n_words: int, device: torch.device | str = "cpu") -
 
 
 def rademacher(key: SignKey, d: int, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The d signs (+1/-1) of the key: coordinate i takes bit i mod 32 of word i // 32 (1 means -1)."""
+               dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The d signs (+1/-1) of the key: coordinate i takes bit i mod 32 of word i // 32 (1 means -1).
+
+    ``out`` (length d, of the wanted device and dtype) receives the signs without a new allocation.
+    """
     if d <= 0:
         raise ValueError(f"need a positive length, got {d}")
+    if out is not None:
+        if out.shape != (d,):
+            raise ValueError(f"out must have shape ({d},), got {tuple(out.shape)}")
+        device, dtype = out.device, out.dtype
     words = sign_words(key, (d + 31) // 32, device)
+    if words.device.type == "cpu" and dtype == torch.float32:
+        # little-endian bytes of each word, least significant bit first: bit i of word c
+        bits = np.unpackbits(words.numpy().astype("<u4").view(np.uint8), bitorder="little")[:d]
+        target = torch.empty(d, dtype=torch.float32) if out is None else out
+        raw = target.numpy().view(np.uint32)  # IEEE-754 +1.0 with the sign bit set from the hash bit
+        np.left_shift(bits, np.uint32(31), out=raw, dtype=np.uint32)
+        np.bitwise_or(raw, np.uint32(0x3F800000), out=raw)
+        return target
     shifts = torch.arange(32, dtype=torch.int64, device=words.device)
     bits = ((words[:, None] >> shifts) & 1).reshape(-1)[:d]
-    return (1 - 2 * bits).to(dtype)
+    signs = (1 - 2 * bits).to(dtype)
+    return signs if out is None else out.copy_(signs)

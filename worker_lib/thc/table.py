@@ -28,6 +28,7 @@ compare it with brute-force enumeration of all monotone tables.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import zlib
 from dataclasses import dataclass
@@ -95,7 +96,7 @@ class LookupTable:
         validate_parameters(self.bits, self.granularity)
         v = self.values
         if len(v) != 1 << self.bits or v[0] != 0 or v[-1] != self.granularity or any(
-                b <= a for a, b in zip(v, v[1:], strict=False)):
+                b <= a for a, b in itertools.pairwise(v)):
             raise ValueError("table must hold 2^bits strictly increasing values from 0 to g")
 
     @property

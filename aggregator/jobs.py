@@ -1,0 +1,214 @@
+"""Job configuration: what the aggregator needs to know about a job before its first packet.
+
+A job is refused here, when it is configured, if its sums could overflow the result width
+(g * n >= 2^width), if it has more than 32 workers, or if a result packet would not fit the path MTU.
+The config file format (TOML) is documented in docs/aggregator.md.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from worker_lib.thc import LookupTable, solve_table
+from worker_lib.wire.layout import HEADER_BYTES, IP_UDP_OVERHEAD, MAX_WORKERS, RESULT_WIDTHS
+
+JobKind = Literal["thc", "uncompressed"]
+
+#: The job ``thc-aggregator`` serves when no job is configured, and which ``thc-allreduce
+#: --aggregator`` uses by default.
+DEFAULT_JOB_ID = 1
+DEFAULT_KEY = 0x54484321  # "THC!"
+
+
+class JobConfigError(ValueError):
+    """A job configuration that an aggregator must refuse."""
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """One job: identity, secret, workers, completion threshold, codec and register geometry.
+
+    ``threshold`` defaults to ``workers``; ``result_bits`` to the smallest of 8/16/32 that holds
+    g * n; ``elems`` (K, indices per packet) to the largest multiple of 8 up to 1024 whose result
+    packet fits ``mtu``.
+    """
+
+    job: int = DEFAULT_JOB_ID
+    key: int = DEFAULT_KEY
+    workers: int = 4
+    threshold: int | None = None
+    kind: JobKind = "thc"
+    bits: int = 4
+    granularity: int = 30
+    p: float = 1 / 32
+    table: tuple[int, ...] | None = None
+    result_bits: int | None = None
+    slots: int = 128
+    elems: int | None = None
+    mtu: int = 1500
+    multicast: str | None = None  # IP multicast group for results (with thc-aggregator --multicast)
+    _lookup: LookupTable | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.job < 1 << 16:
+            raise JobConfigError(f"job id must be in [0, 65536), got {self.job}")
+        if not 0 <= self.key < 1 << 32:
+            raise JobConfigError(f"key must be a 32-bit unsigned integer, got {self.key}")
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise JobConfigError(f"job {self.job}: workers must be in 1..{MAX_WORKERS}, got {self.workers}")
+        thr = self.workers if self.threshold is None else self.threshold
+        if not 1 <= thr <= self.workers:
+            raise JobConfigError(f"job {self.job}: threshold must be in 1..workers={self.workers}, got {thr}")
+        object.__setattr__(self, "threshold", thr)
+        if self.kind not in ("thc", "uncompressed"):
+            raise JobConfigError(f"job {self.job}: kind must be 'thc' or 'uncompressed', got {self.kind!r}")
+        if not 1 <= self.slots <= 1 << 16:
+            raise JobConfigError(f"job {self.job}: slots must be in 1..65536, got {self.slots}")
+        if self.kind == "thc":
+            try:
+                if self.table is not None:
+                    lookup = LookupTable(bits=self.bits, granularity=self.granularity, p=None,
+                                         values=tuple(int(v) for v in self.table), objective=None)
+                else:
+                    lookup = solve_table(self.bits, self.granularity, self.p)
+            except ValueError as exc:
+                raise JobConfigError(f"job {self.job}: {exc}") from None
+            object.__setattr__(self, "_lookup", lookup)
+            top = self.granularity * self.workers
+            if self.result_bits is None:
+                fit = [w for w in RESULT_WIDTHS if top < 1 << w]
+                object.__setattr__(self, "result_bits", fit[0])
+        else:
+            top = None
+            if self.result_bits is None:
+                object.__setattr__(self, "result_bits", 32)
+            if self.result_bits != 32:
+                raise JobConfigError(f"job {self.job}: uncompressed jobs sum int32, result_bits must be 32")
+        if self.result_bits not in RESULT_WIDTHS:
+            raise JobConfigError(f"job {self.job}: result_bits must be one of {RESULT_WIDTHS}, "
+                                 f"got {self.result_bits}")
+        if top is not None and top >= 1 << self.result_bits:
+            raise JobConfigError(
+                f"job {self.job}: g * n = {self.granularity} * {self.workers} = {top} does not fit "
+                f"{self.result_bits}-bit results (max {(1 << self.result_bits) - 1}); use wider results, "
+                f"fewer workers or a smaller granularity")
+        room = self.mtu - IP_UDP_OVERHEAD - HEADER_BYTES
+        per = self.result_bits // 8
+        if self.elems is None:
+            k = min(1024, (room // per) // 8 * 8)
+            if k < 8:
+                raise JobConfigError(f"job {self.job}: mtu {self.mtu} leaves no room for 8 results")
+            object.__setattr__(self, "elems", k)
+        k = self.elems
+        if k < 8 or k % 8 or k >= 1 << 16:
+            raise JobConfigError(f"job {self.job}: elems (K) must be a positive multiple of 8 below 65536, "
+                                 f"got {k}")
+        if k * per > room:
+            raise JobConfigError(f"job {self.job}: a result of {k} x {self.result_bits}-bit sums "
+                                 f"({HEADER_BYTES + IP_UDP_OVERHEAD + k * per} bytes with headers) exceeds the "
+                                 f"mtu {self.mtu}")
+
+    @property
+    def lookup(self) -> LookupTable | None:
+        """The THC table (None for uncompressed jobs)."""
+        return self._lookup
+
+    @property
+    def table_id(self) -> int:
+        """The table id packets must carry (0 for uncompressed jobs)."""
+        return self._lookup.table_id() if self._lookup is not None else 0
+
+    @property
+    def data_width(self) -> int:
+        """Bits per element of a DATA payload: b, or 32 for uncompressed jobs."""
+        return self.bits if self.kind == "thc" else 32
+
+    @property
+    def data_bytes(self) -> int:
+        return self.elems * self.data_width // 8
+
+    @property
+    def result_bytes(self) -> int:
+        return self.elems * self.result_bits // 8
+
+    def values(self) -> np.ndarray:
+        """The table as int32 (THC jobs)."""
+        if self._lookup is None:
+            raise ValueError(f"job {self.job} is uncompressed: it has no table")
+        return self._lookup.as_array()
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items() if v is not None}
+
+
+_INT_KEYS = {"job", "key", "workers", "threshold", "bits", "granularity", "result_bits", "slots", "elems", "mtu"}
+
+
+def job_from_mapping(raw: dict[str, Any], where: str = "job") -> JobConfig:
+    """A JobConfig from a dict (config file table or CLI spec), with clear messages for bad keys."""
+    names = {f.name for f in fields(JobConfig) if f.init}
+    unknown = set(raw) - names
+    if unknown:
+        raise JobConfigError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(names)}")
+    vals: dict[str, Any] = {}
+    for k, v in raw.items():
+        if k in _INT_KEYS and isinstance(v, str):
+            try:
+                v = int(v, 0)
+            except ValueError:
+                raise JobConfigError(f"{where}: {k} must be an integer, got {v!r}") from None
+        elif k == "p" and isinstance(v, str):
+            v = _parse_fraction(v, where)
+        elif k == "table" and v is not None:
+            v = tuple(int(x) for x in (v.split(":") if isinstance(v, str) else v))
+        vals[k] = v
+    return JobConfig(**vals)
+
+
+def _parse_fraction(text: str, where: str) -> float:
+    try:
+        if "/" in text:
+            a, b = text.split("/", 1)
+            return float(a) / float(b)
+        return float(text)
+    except (ValueError, ZeroDivisionError):
+        raise JobConfigError(f"{where}: p must be a number or a fraction like 1/32, got {text!r}") from None
+
+
+def parse_job_spec(spec: str) -> JobConfig:
+    """``job=2,key=0x1234,workers=4,threshold=3,bits=4,granularity=30,p=1/32`` -> JobConfig."""
+    raw: dict[str, Any] = {}
+    for part in filter(None, (s.strip() for s in spec.split(","))):
+        if "=" not in part:
+            raise JobConfigError(f"job spec {spec!r}: expected key=value, got {part!r}")
+        k, v = part.split("=", 1)
+        raw[k.strip()] = v.strip()
+    return job_from_mapping(raw, f"job spec {spec!r}")
+
+
+def load_jobs(path: str | Path) -> list[JobConfig]:
+    """Jobs from a TOML file: one ``[[job]]`` table per job (docs/aggregator.md)."""
+    p = Path(path)
+    try:
+        doc = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise JobConfigError(f"job config file {p} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise JobConfigError(f"{p}: not valid TOML: {exc}") from None
+    extra = set(doc) - {"job"}
+    if extra:
+        raise JobConfigError(f"{p}: unknown top-level keys {sorted(extra)}; jobs go in [[job]] tables")
+    tables = doc.get("job", [])
+    if not isinstance(tables, list):
+        raise JobConfigError(f"{p}: 'job' must be an array of tables ([[job]])")
+    jobs = [job_from_mapping(t, f"{p} job #{i}") for i, t in enumerate(tables)]
+    ids = [j.job for j in jobs]
+    if len(set(ids)) != len(ids):
+        raise JobConfigError(f"{p}: duplicate job ids {sorted({i for i in ids if ids.count(i) > 1})}")
+    return jobs

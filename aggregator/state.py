@@ -1,0 +1,353 @@
+"""The reference aggregation state machine: the switch's logic in Python (docs/protocol.md).
+
+This is the contract the P4 programs are held to (tests/scenarios.py) and what ``thc-aggregator``
+serves. Per configured job it keeps S slots x 2 banks x K elements, preallocated: round r of a slot
+aggregates in bank r mod 2 while the other bank retains round r-1's result (SwitchML's shadow
+copies). A batch of packets is validated with numpy in one pass; the table lookup of every THC DATA
+packet of the batch is one numpy gather; then a short loop applies the state table packet by packet
+(so packets of one batch see each other's effects in arrival order) with one numpy add over K
+elements per accepted packet.
+
+Only integers cross the aggregator: THC indices become integer table values, uncompressed payloads
+are int32 summed with two's-complement wrap (the worker's fixed-point scale prevents overflow),
+norms are maxed as raw IEEE-754 bits (valid for non-negative finite floats only).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from aggregator.jobs import JobConfig, JobConfigError
+from worker_lib.wire.layout import HEADER_BYTES, ROUND_BITS, VERSION, PacketType
+from worker_lib.wire.serializer import header_view, unpack_indices_np
+
+log = logging.getLogger(__name__)
+
+ROUND_MASK = (1 << ROUND_BITS) - 1
+HALF = 1 << (ROUND_BITS - 1)
+#: Largest packet (bytes of UDP payload) a batch row holds by default.
+DEFAULT_STRIDE = 4224
+
+
+class Counter(IntEnum):
+    """Aggregator counters (index into ``Aggregator.counters``). Names are the metric labels."""
+
+    RX = 0  #: packets received
+    ACCEPTED = 1  #: contributions added to a bank
+    NEW_ROUND = 2  #: banks (re)started by the first packet of a newer round
+    COMPLETED = 3  #: slot rounds that reached the threshold
+    RETAINED = 4  #: retained results sent again by unicast (duplicate or latecomer of a completed round)
+    DUPLICATE = 5  #: duplicates before completion (dropped, added nothing)
+    STRAGGLER = 6  #: straggler notices sent (stale round)
+    ELEMENTS = 7  #: elements aggregated (K per accepted DATA packet)
+    SHORT = 8  #: dropped: shorter than the header
+    BAD_VERSION = 9  #: dropped: unknown version
+    BAD_TYPE = 10  #: dropped: not DATA or NORM
+    UNKNOWN_JOB = 11  #: dropped: job not configured
+    BAD_KEY = 12  #: dropped: wrong key
+    BAD_TABLE = 13  #: dropped: wrong table id
+    BAD_WORKER = 14  #: dropped: worker id >= n
+    BAD_SLOT = 15  #: dropped: slot >= S
+    WRONG_SHARD = 16  #: dropped: slot belongs to another shard
+    BAD_FORMAT = 17  #: dropped: elems, width or length do not match the job
+    BAD_NORM = 18  #: dropped: norm negative, NaN or infinite
+    KIND_MISMATCH = 19  #: dropped: NORM for a DATA round or the reverse
+
+
+DROP_COUNTERS = tuple(c for c in Counter if c >= Counter.SHORT)
+
+_EMPTY = -1  # bank_round of a bank that holds nothing
+
+
+def serial_newer(a: int, b: int) -> bool:
+    """RFC 1982: is round ``a`` newer than round ``b`` (ROUND_BITS-bit serial numbers)?"""
+    d = (a - b) & ROUND_MASK
+    return 0 < d < HALF
+
+
+class JobState:
+    """Registers of one job, all allocated when the job is configured."""
+
+    def __init__(self, cfg: JobConfig) -> None:
+        self.cfg = cfg
+        s, k = cfg.slots, cfg.elems
+        self.values = cfg.values() if cfg.kind == "thc" else None
+        self.sums = np.zeros((s, 2, k), np.int32)
+        self.norm = [0] * (2 * s)
+        self.used = [False] * s
+        self.cur_round = [0] * s
+        self.bank_round = [_EMPTY] * (2 * s)
+        self.bitmap = [0] * (2 * s)
+        self.count = [0] * (2 * s)
+        self.complete = [False] * (2 * s)
+        self.kind = [0] * (2 * s)
+        self.result_dtype = np.dtype({8: ">u1", 16: ">u2", 32: ">u4"}[cfg.result_bits])
+
+
+@dataclass
+class Outputs:
+    """Packets produced by one batch, in a preallocated buffer.
+
+    Row m of ``buf`` holds ``length[m]`` bytes; ``fanout[m]`` says whether it goes to every worker of
+    job ``job[m]`` (a completion) or back to the sender of input row ``src[m]`` only.
+    """
+
+    buf: np.ndarray
+    length: np.ndarray
+    src: np.ndarray
+    fanout: np.ndarray
+    job: np.ndarray
+    count: int = 0
+
+    @classmethod
+    def allocate(cls, rows: int, stride: int) -> Outputs:
+        return cls(np.zeros((rows, stride), np.uint8), np.zeros(rows, np.int64), np.zeros(rows, np.int64),
+                   np.zeros(rows, bool), np.zeros(rows, np.int64))
+
+    def packets(self) -> list[tuple[bool, bytes]]:
+        """(fanout, bytes) of every output (for tests and the reference API; not the hot path)."""
+        return [(bool(self.fanout[m]), self.buf[m, : self.length[m]].tobytes()) for m in range(self.count)]
+
+
+class Aggregator:
+    """The state machine for a set of jobs; one instance per shard.
+
+    ``shard``/``shards``: this instance owns the slots s with s mod shards == shard (others are
+    dropped and counted). ``max_batch`` bounds the rows of one ``process`` call.
+    """
+
+    def __init__(self, jobs: Iterable[JobConfig] = (), *, shard: int = 0, shards: int = 1,
+                 max_batch: int = 256, stride: int = DEFAULT_STRIDE) -> None:
+        if not 0 <= shard < shards:
+            raise ValueError(f"shard {shard} is not in 0..{shards - 1}")
+        self.shard, self.shards, self.max_batch, self.stride = shard, shards, max_batch, stride
+        self.counters = np.zeros(len(Counter), np.int64)
+        self.jobs: dict[int, JobState] = {}
+        # Per-job-id parameter arrays for vectorized validation (fixed size: job ids are 16 bits).
+        self._known = np.zeros(1 << 16, bool)
+        self._key = np.zeros(1 << 16, np.int64)
+        self._table = np.zeros(1 << 16, np.int64)
+        self._n = np.zeros(1 << 16, np.int64)
+        self._slots = np.zeros(1 << 16, np.int64)
+        self._elems = np.zeros(1 << 16, np.int64)
+        self._dwidth = np.zeros(1 << 16, np.int64)
+        self._dbytes = np.zeros(1 << 16, np.int64)
+        self.out = Outputs.allocate(max_batch, stride)
+        # Header fields of this batch's outputs, written in one vectorized pass at the end.
+        self._pending: list[tuple[int, int, int, int, int, int, int]] = []
+        for cfg in jobs:
+            self.add_job(cfg)
+
+    # -- configuration ---------------------------------------------------------------------------
+    def add_job(self, cfg: JobConfig) -> None:
+        """Configure a job (replacing one with the same id resets its registers)."""
+        if HEADER_BYTES + max(cfg.data_bytes, cfg.result_bytes) > self.stride:
+            raise JobConfigError(f"job {cfg.job}: packets of {HEADER_BYTES + cfg.data_bytes} bytes exceed "
+                                 f"the aggregator's buffer stride {self.stride}")
+        j = cfg.job
+        self.jobs[j] = JobState(cfg)
+        self._known[j] = True
+        self._key[j] = cfg.key
+        self._table[j] = cfg.table_id
+        self._n[j] = cfg.workers
+        self._slots[j] = cfg.slots
+        self._elems[j] = cfg.elems
+        self._dwidth[j] = cfg.data_width
+        self._dbytes[j] = cfg.data_bytes
+        log.info("job %d configured: %s", j, cfg)
+
+    def remove_job(self, job: int) -> None:
+        """Forget a job and free its registers; its packets are then dropped as unknown."""
+        if self.jobs.pop(job, None) is not None:
+            self._known[job] = False
+            log.info("job %d removed", job)
+
+    # -- reference API ---------------------------------------------------------------------------
+    def handle(self, packet: bytes) -> list[tuple[bool, bytes]]:
+        """Process one packet; return the packets it causes as (fanout, bytes)."""
+        row = np.zeros((1, self.stride), np.uint8)
+        data = np.frombuffer(packet, np.uint8)[: self.stride]
+        row[0, : data.size] = data
+        out = self.process(row, np.array([len(packet)]))
+        return out.packets()
+
+    # -- the hot path ----------------------------------------------------------------------------
+    def process(self, buf: np.ndarray, lengths: np.ndarray) -> Outputs:
+        """Apply the state table to a batch: rows of ``buf`` are packets of ``lengths`` bytes.
+
+        Returns ``self.out`` (reused by the next call). Never raises on packet contents.
+        """
+        n = len(lengths)
+        if n > self.max_batch:
+            raise ValueError(f"batch of {n} rows exceeds max_batch {self.max_batch}")
+        out = self.out
+        out.count = 0
+        if n == 0:
+            return out
+        c = self.counters
+        c[Counter.RX] += n
+        lens = np.asarray(lengths, np.int64)
+        h = header_view(buf[:n])
+        ver = h["version"].astype(np.int64)
+        typ = h["type"].astype(np.int64)
+        job = h["job"].astype(np.int64)
+        worker = h["worker"].astype(np.int64)
+        slot = h["slot"].astype(np.int64)
+        elems = h["elems"].astype(np.int64)
+        width = h["width"].astype(np.int64)
+        reason = np.zeros(n, np.int64)
+
+        def fail(cond: np.ndarray, code: Counter) -> None:
+            reason[(reason == 0) & cond] = code
+
+        fail(lens < HEADER_BYTES, Counter.SHORT)
+        fail(ver != VERSION, Counter.BAD_VERSION)
+        is_norm = typ == PacketType.NORM
+        fail((typ != PacketType.DATA) & ~is_norm, Counter.BAD_TYPE)
+        fail(~self._known[job], Counter.UNKNOWN_JOB)
+        fail(h["key"].astype(np.int64) != self._key[job], Counter.BAD_KEY)
+        fail(h["table_id"].astype(np.int64) != self._table[job], Counter.BAD_TABLE)
+        fail(worker >= self._n[job], Counter.BAD_WORKER)
+        fail(slot >= self._slots[job], Counter.BAD_SLOT)
+        fail(slot % self.shards != self.shard, Counter.WRONG_SHARD)
+        want_elems = np.where(is_norm, 1, self._elems[job])
+        want_width = np.where(is_norm, 32, self._dwidth[job])
+        want_len = HEADER_BYTES + np.where(is_norm, 4, self._dbytes[job])
+        fail((elems != want_elems) | (width != want_width) | (lens != want_len), Counter.BAD_FORMAT)
+        norm_bits = np.zeros(n, np.int64)
+        if is_norm.any():
+            nb = buf[:n, HEADER_BYTES:HEADER_BYTES + 4].astype(np.int64)
+            norm_bits = (nb[:, 0] << 24) | (nb[:, 1] << 16) | (nb[:, 2] << 8) | nb[:, 3]
+            bad = (norm_bits >> 31 == 1) | (((norm_bits >> 23) & 0xFF) == 0xFF)
+            fail(is_norm & bad, Counter.BAD_NORM)
+        if (reason != 0).any():
+            np.add.at(c, reason[reason != 0], 1)
+        good = np.flatnonzero(reason == 0)
+        if good.size == 0:
+            return out
+        # Table lookups of all accepted-so-far DATA rows, one gather per job.
+        values: dict[int, np.ndarray] = {}
+        data_rows = good[~is_norm[good]]
+        row_pos = np.full(n, -1, np.int64)
+        if data_rows.size:
+            for j in np.unique(job[data_rows]).tolist():
+                rows = data_rows[job[data_rows] == j]
+                js = self.jobs[j]
+                cfg = js.cfg
+                pay = buf[rows, HEADER_BYTES:HEADER_BYTES + cfg.data_bytes]
+                if cfg.kind == "thc":
+                    vals = js.values[unpack_indices_np(pay, cfg.bits, cfg.elems)]
+                else:
+                    vals = np.ascontiguousarray(pay).view(">i4").astype(np.int32)
+                values[j] = vals
+                row_pos[rows] = np.arange(rows.size)
+        self._apply(buf, good.tolist(), typ.tolist(), job.tolist(), worker.tolist(), slot.tolist(),
+                    h["round"].astype(np.int64).tolist(), norm_bits.tolist(), row_pos.tolist(), values)
+        self._finish_headers(buf)
+        return out
+
+    def _apply(self, buf: np.ndarray, rows: list[int], typ: list[int], job: list[int], worker: list[int],
+               slot: list[int], rnd: list[int], norm_bits: list[int], row_pos: list[int],
+               values: dict[int, np.ndarray]) -> None:
+        """The state table, packet by packet, in arrival order."""
+        c = self.counters
+        for i in rows:
+            js = self.jobs[job[i]]
+            cfg = js.cfg
+            s, r, w, t = slot[i], rnd[i], worker[i], typ[i]
+            b = r & 1
+            idx = 2 * s + b
+            if not js.used[s] or serial_newer(r, js.cur_round[s]):
+                # First packet of a newer round: overwrite its bank, clear bitmap and count.
+                js.used[s] = True
+                js.cur_round[s] = r
+                js.bank_round[idx] = r
+                js.kind[idx] = t
+                js.bitmap[idx] = 1 << w
+                js.count[idx] = 1
+                js.complete[idx] = False
+                if t == PacketType.NORM:
+                    js.norm[idx] = norm_bits[i]
+                else:
+                    js.sums[s, b] = values[job[i]][row_pos[i]]
+                    c[Counter.ELEMENTS] += cfg.elems
+                c[Counter.NEW_ROUND] += 1
+                c[Counter.ACCEPTED] += 1
+            elif js.bank_round[idx] == r:
+                if js.kind[idx] != t:
+                    c[Counter.KIND_MISMATCH] += 1
+                    continue
+                if js.complete[idx]:
+                    c[Counter.RETAINED] += 1
+                    self._emit_result(js, s, b, i, fanout=False)
+                    continue
+                bit = 1 << w
+                if js.bitmap[idx] & bit:
+                    c[Counter.DUPLICATE] += 1
+                    continue
+                js.bitmap[idx] |= bit
+                js.count[idx] += 1
+                if t == PacketType.NORM:
+                    js.norm[idx] = max(js.norm[idx], norm_bits[i])
+                else:
+                    js.sums[s, b] += values[job[i]][row_pos[i]]
+                    c[Counter.ELEMENTS] += cfg.elems
+                c[Counter.ACCEPTED] += 1
+            else:
+                c[Counter.STRAGGLER] += 1
+                self._emit_straggler(js, s, i)
+                continue
+            if js.count[idx] >= cfg.threshold:
+                js.complete[idx] = True
+                c[Counter.COMPLETED] += 1
+                self._emit_result(js, s, b, i, fanout=True)
+
+    # -- output construction ---------------------------------------------------------------------
+    def _emit(self, src: int, fanout: bool, job: int) -> int:
+        out = self.out
+        m = out.count
+        out.count = m + 1
+        out.src[m] = src
+        out.fanout[m] = fanout
+        out.job[m] = job
+        return m
+
+    def _emit_result(self, js: JobState, s: int, b: int, src: int, *, fanout: bool) -> None:
+        out = self.out
+        m = self._emit(src, fanout, js.cfg.job)
+        idx = 2 * s + b
+        row = out.buf[m]
+        if js.kind[idx] == PacketType.NORM:
+            row[HEADER_BYTES:HEADER_BYTES + 4] = np.frombuffer(js.norm[idx].to_bytes(4, "big"), np.uint8)
+            plen, elems, width, typ = 4, 1, 32, PacketType.NORM_RESULT
+        else:
+            plen = js.cfg.result_bytes
+            row[HEADER_BYTES:HEADER_BYTES + plen].view(js.result_dtype)[:] = js.sums[s, b]
+            elems, width, typ = js.cfg.elems, js.cfg.result_bits, PacketType.RESULT
+        out.length[m] = HEADER_BYTES + plen
+        self._pending.append((m, typ, js.count[idx], js.bank_round[idx], elems, width, js.bitmap[idx]))
+
+    def _emit_straggler(self, js: JobState, s: int, src: int) -> None:
+        m = self._emit(src, False, js.cfg.job)
+        self.out.length[m] = HEADER_BYTES
+        self._pending.append((m, PacketType.STRAGGLER, 0, js.cur_round[s], 0, 0, 0))
+
+    def _finish_headers(self, buf: np.ndarray) -> None:
+        """Write the headers of this batch's outputs: the request's header with result fields patched."""
+        out = self.out
+        pend = self._pending
+        if not pend:
+            return
+        m = np.array([p[0] for p in pend])
+        out.buf[m, :HEADER_BYTES] = buf[out.src[m], :HEADER_BYTES]
+        hv = header_view(out.buf)
+        cols = np.array([p[1:] for p in pend], np.int64)
+        for k, name in enumerate(("type", "contributors", "round", "elems", "width", "bitmap")):
+            hv[name][m] = cols[:, k]
+        hv["flags"][m] = 0
+        pend.clear()

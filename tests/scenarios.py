@@ -1,0 +1,276 @@
+"""Target-neutral scenario table of the aggregation state machine (docs/protocol.md, "State table").
+
+Each scenario is DATA: job configurations, then packets sent in order, each with the exact packets
+the aggregator must answer ("to": "all" = every worker of the job, "sender" = unicast back), then
+the counters expected at the end. Expected sums are written by hand from the scenario's explicit
+table, never computed by the code under test. tests/test_state_scenarios.py runs them against the
+Python state machine; a later issue runs the same table against BMv2.
+
+Packet fields not given default to: version 1, job 1, key KEY, table_id of the job, tensor 0,
+chunk 0, elems K, width b (THC DATA) or 32 (norms, uncompressed). A packet gives its payload as
+"indices" (THC DATA), "ints" (uncompressed DATA), "norm" (NORM, a float), or "raw" (hex bytes that
+replace the whole packet).
+"""
+
+from __future__ import annotations
+
+KEY = 0x0BADC0DE
+OTHER_KEY = 0x0BADC0DF
+
+# A 2-bit table on granularity 10, non-uniform so that a missing lookup cannot go unnoticed.
+TABLE = (0, 2, 7, 10)
+K = 8
+
+JOB = {"job": 1, "key": KEY, "workers": 2, "bits": 2, "granularity": 10, "table": TABLE,
+       "slots": 4, "elems": K, "result_bits": 8}
+JOB4 = {**JOB, "workers": 4}
+JOB4_OF_3 = {**JOB, "workers": 4, "threshold": 3}
+JOB2 = {**JOB, "job": 2, "key": 0x22222222}
+JOB_INT = {"job": 3, "key": KEY, "workers": 2, "kind": "uncompressed", "slots": 2, "elems": K}
+
+# Indices and their table values (T = 0, 2, 7, 10), written out by hand.
+A = [0, 1, 2, 3, 0, 1, 2, 3]  # values 0 2 7 10 0 2 7 10
+B = [3, 3, 0, 0, 1, 1, 2, 2]  # values 10 10 0 0 2 2 7 7
+C = [1, 1, 1, 1, 3, 3, 3, 3]  # values 2 2 2 2 10 10 10 10
+D = [2, 0, 2, 0, 2, 0, 2, 0]  # values 7 0 7 0 7 0 7 0
+A_B = [10, 12, 7, 10, 2, 4, 14, 17]
+C_D = [9, 2, 9, 2, 17, 10, 17, 10]
+A_B_C = [12, 14, 9, 12, 12, 14, 24, 27]
+A_C = [2, 4, 9, 12, 10, 12, 17, 20]
+
+
+def data(worker: int, slot: int, rnd: int, indices: list[int], **fields: int) -> dict:
+    return {"type": "DATA", "worker": worker, "slot": slot, "round": rnd, "indices": indices, **fields}
+
+
+def result(slot: int, rnd: int, sums: list[int], bitmap: int, to: str = "all", **fields: int) -> dict:
+    return {"to": to, "type": "RESULT", "slot": slot, "round": rnd, "sums": sums,
+            "contributors": bin(bitmap).count("1"), "bitmap": bitmap, **fields}
+
+
+SCENARIOS: list[dict] = [
+    {
+        "name": "basic_reduction",
+        "doc": "Both workers send round 0 of slot 0; the second completes it and the sums go to all.",
+        "jobs": [JOB],
+        "steps": [
+            {"send": data(0, 0, 0, A), "expect": []},
+            {"send": data(1, 0, 0, B), "expect": [result(0, 0, A_B, 0b11, worker=1)]},
+        ],
+        "counters": {"ACCEPTED": 2, "NEW_ROUND": 1, "COMPLETED": 1, "ELEMENTS": 16},
+    },
+    {
+        "name": "retransmission_after_completion",
+        "doc": "A worker that lost the result retransmits; it alone gets the retained result, nothing added.",
+        "jobs": [JOB],
+        "steps": [
+            {"send": data(0, 1, 0, A), "expect": []},
+            {"send": data(1, 1, 0, B), "expect": [result(1, 0, A_B, 0b11)]},
+            {"send": data(0, 1, 0, A), "expect": [result(1, 0, A_B, 0b11, to="sender", worker=0)]},
+        ],
+        "counters": {"ACCEPTED": 2, "COMPLETED": 1, "RETAINED": 1},
+    },
+    {
+        "name": "slot_reuse_next_round",
+        "doc": "Round 1 of a slot aggregates fresh sums in the other bank, not on top of round 0.",
+        "jobs": [JOB],
+        "steps": [
+            {"send": data(0, 2, 0, A), "expect": []},
+            {"send": data(1, 2, 0, B), "expect": [result(2, 0, A_B, 0b11)]},
+            {"send": data(1, 2, 1, D), "expect": []},
+            {"send": data(0, 2, 1, C), "expect": [result(2, 1, C_D, 0b11)]},
+        ],
+        "counters": {"ACCEPTED": 4, "NEW_ROUND": 2, "COMPLETED": 2},
+    },
+    {
+        "name": "retransmission_ignored_in_progress",
+        "doc": "A duplicate before completion adds nothing and produces nothing.",
+        "jobs": [JOB],
+        "steps": [
+            {"send": data(0, 0, 0, A), "expect": []},
+            {"send": data(0, 0, 0, A), "expect": []},
+            {"send": data(1, 0, 0, B), "expect": [result(0, 0, A_B, 0b11)]},
+        ],
+        "counters": {"ACCEPTED": 2, "DUPLICATE": 1, "COMPLETED": 1},
+    },
+    {
+        "name": "retransmission_from_previous_round",
+        "doc": "After a faster worker moved the slot to round 1, a retransmission of round 0 still gets "
+               "round 0's exact sums from the shadow bank.",
+        "jobs": [JOB],
+        "steps": [
+            {"send": data(0, 3, 0, A), "expect": []},
+            {"send": data(1, 3, 0, B), "expect": [result(3, 0, A_B, 0b11)]},
+            {"send": data(1, 3, 1, D), "expect": []},
+            {"send": data(0, 3, 0, A), "expect": [result(3, 0, A_B, 0b11, to="sender")]},
+            {"send": data(0, 3, 1, C), "expect": [result(3, 1, C_D, 0b11)]},
+        ],
+        "counters": {"ACCEPTED": 4, "RETAINED": 1, "COMPLETED": 2, "STRAGGLER": 0},
+    },
+    {
+        "name": "stale_round_straggler_notice",
+        "doc": "A packet two rounds behind (its bank now holds a newer round) gets a straggler notice "
+               "carrying the slot's current round, and changes nothing.",
+        "jobs": [JOB],
+        "steps": [
+            {"send": data(0, 0, 0, A), "expect": []},
+            {"send": data(1, 0, 0, B), "expect": [result(0, 0, A_B, 0b11)]},
+            {"send": data(0, 0, 1, A), "expect": []},
+            {"send": data(1, 0, 1, B), "expect": [result(0, 1, A_B, 0b11)]},
+            {"send": data(0, 0, 2, C), "expect": []},
+            {"send": data(1, 0, 0, D, tensor=9, chunk=4),
+             "expect": [{"to": "sender", "type": "STRAGGLER", "slot": 0, "round": 2, "worker": 1,
+                         "tensor": 9, "chunk": 4, "elems": 0, "width": 0}]},
+            {"send": data(1, 0, 2, D), "expect": [result(0, 2, C_D, 0b11)]},
+        ],
+        "counters": {"STRAGGLER": 1, "COMPLETED": 3},
+    },
+    {
+        "name": "newer_round_resets_bank",
+        "doc": "The first packet of a newer round overwrites its bank: a half-done older round's sums "
+               "and bitmap are gone.",
+        "jobs": [JOB],
+        "steps": [
+            {"send": data(0, 1, 0, A), "expect": []},
+            {"send": data(1, 1, 2, C), "expect": []},
+            {"send": data(0, 1, 2, D), "expect": [result(1, 2, C_D, 0b11)]},
+        ],
+        "counters": {"NEW_ROUND": 2, "COMPLETED": 1, "ACCEPTED": 3},
+    },
+    {
+        "name": "partial_threshold",
+        "doc": "3 of 4: the round completes without worker 3, whose late packet adds nothing and gets "
+               "the retained result by unicast.",
+        "jobs": [JOB4_OF_3],
+        "steps": [
+            {"send": data(0, 0, 0, A), "expect": []},
+            {"send": data(2, 0, 0, C), "expect": []},
+            {"send": data(1, 0, 0, B), "expect": [result(0, 0, A_B_C, 0b0111)]},
+            {"send": data(3, 0, 0, D), "expect": [result(0, 0, A_B_C, 0b0111, to="sender", worker=3)]},
+        ],
+        "counters": {"ACCEPTED": 3, "COMPLETED": 1, "RETAINED": 1},
+    },
+    {
+        "name": "norm_max",
+        "doc": "The norm stage keeps the max of the norms; the result carries it and the contributors.",
+        "jobs": [{**JOB, "workers": 3}],
+        "steps": [
+            {"send": {"type": "NORM", "worker": 0, "slot": 2, "round": 0, "norm": 1.5}, "expect": []},
+            {"send": {"type": "NORM", "worker": 1, "slot": 2, "round": 0, "norm": 2.25}, "expect": []},
+            {"send": {"type": "NORM", "worker": 2, "slot": 2, "round": 0, "norm": 0.5},
+             "expect": [{"to": "all", "type": "NORM_RESULT", "slot": 2, "round": 0, "norm": 2.25,
+                         "contributors": 3, "bitmap": 0b111, "elems": 1, "width": 32}]},
+            {"send": {"type": "NORM", "worker": 0, "slot": 2, "round": 0, "norm": 1.5},
+             "expect": [{"to": "sender", "type": "NORM_RESULT", "slot": 2, "round": 0, "norm": 2.25,
+                         "contributors": 3, "bitmap": 0b111}]},
+        ],
+        "counters": {"COMPLETED": 1, "RETAINED": 1, "ELEMENTS": 0},
+    },
+    {
+        "name": "bad_norms_refused",
+        "doc": "Negative, NaN and infinite norms are dropped and counted; the round is not started.",
+        "jobs": [JOB],
+        "steps": [
+            {"send": {"type": "NORM", "worker": 0, "slot": 0, "round": 0, "norm": -1.0}, "expect": []},
+            {"send": {"type": "NORM", "worker": 0, "slot": 0, "round": 0, "norm": float("nan")}, "expect": []},
+            {"send": {"type": "NORM", "worker": 1, "slot": 0, "round": 0, "norm": float("inf")}, "expect": []},
+            {"send": {"type": "NORM", "worker": 0, "slot": 0, "round": 0, "norm": 3.0}, "expect": []},
+            {"send": {"type": "NORM", "worker": 1, "slot": 0, "round": 0, "norm": 4.0},
+             "expect": [{"to": "all", "type": "NORM_RESULT", "norm": 4.0, "contributors": 2, "bitmap": 3}]},
+        ],
+        "counters": {"BAD_NORM": 3, "ACCEPTED": 2, "COMPLETED": 1},
+    },
+    {
+        "name": "kind_mismatch",
+        "doc": "A NORM for a round that aggregates DATA (or the reverse) is dropped and counted.",
+        "jobs": [JOB],
+        "steps": [
+            {"send": data(0, 0, 0, A), "expect": []},
+            {"send": {"type": "NORM", "worker": 1, "slot": 0, "round": 0, "norm": 1.0}, "expect": []},
+            {"send": data(1, 0, 0, B), "expect": [result(0, 0, A_B, 0b11)]},
+        ],
+        "counters": {"KIND_MISMATCH": 1, "COMPLETED": 1},
+    },
+    {
+        "name": "wrong_key_or_table_dropped",
+        "doc": "A packet with another key or table id is dropped, counted, and changes nothing.",
+        "jobs": [JOB],
+        "steps": [
+            {"send": data(0, 0, 0, A), "expect": []},
+            {"send": data(1, 0, 0, D, key=OTHER_KEY), "expect": []},
+            {"send": data(1, 0, 2, D, key=OTHER_KEY), "expect": []},
+            {"send": data(1, 0, 0, D, table_id=0x1234), "expect": []},
+            {"send": data(1, 0, 0, B), "expect": [result(0, 0, A_B, 0b11)]},
+        ],
+        "counters": {"BAD_KEY": 2, "BAD_TABLE": 1, "ACCEPTED": 2, "NEW_ROUND": 1},
+    },
+    {
+        "name": "malformed_dropped",
+        "doc": "Short, wrong version, wrong type, unknown job, worker or slot out of range, wrong "
+               "element count, width or length: each dropped and counted; a real round completes intact.",
+        "jobs": [JOB],
+        "steps": [
+            {"send": data(0, 0, 0, A), "expect": []},
+            {"send": {"raw": "0101000100000000"}, "expect": []},
+            {"send": {"raw": ""}, "expect": []},
+            {"send": data(1, 0, 0, D, version=2), "expect": []},
+            {"send": {**data(1, 0, 0, D), "type": "RESULT"}, "expect": []},
+            {"send": {**data(1, 0, 0, D), "type": 99}, "expect": []},
+            {"send": data(1, 0, 0, D, job=77), "expect": []},
+            {"send": data(2, 0, 0, D), "expect": []},
+            {"send": data(1, 4, 0, D), "expect": []},
+            {"send": data(1, 0, 0, D, elems=16), "expect": []},
+            {"send": data(1, 0, 0, D, width=4), "expect": []},
+            {"send": {**data(1, 0, 0, D), "truncate": 1}, "expect": []},
+            {"send": {**data(1, 0, 0, D), "extra": 3}, "expect": []},
+            {"send": data(1, 0, 0, B), "expect": [result(0, 0, A_B, 0b11)]},
+        ],
+        "counters": {"SHORT": 2, "BAD_VERSION": 1, "BAD_TYPE": 2, "UNKNOWN_JOB": 1, "BAD_WORKER": 1,
+                     "BAD_SLOT": 1, "BAD_FORMAT": 4, "ACCEPTED": 2, "COMPLETED": 1},
+    },
+    {
+        "name": "round_wraparound",
+        "doc": "Round 0 after 65535 is newer (serial arithmetic); 65535's result stays retained in the "
+               "other bank.",
+        "jobs": [JOB],
+        "steps": [
+            {"send": data(0, 1, 65535, A), "expect": []},
+            {"send": data(1, 1, 65535, B), "expect": [result(1, 65535, A_B, 0b11)]},
+            {"send": data(0, 1, 0, C), "expect": []},
+            {"send": data(1, 1, 65535, B), "expect": [result(1, 65535, A_B, 0b11, to="sender")]},
+            {"send": data(1, 1, 0, D), "expect": [result(1, 0, C_D, 0b11)]},
+            {"send": data(0, 1, 65534, A),
+             "expect": [{"to": "sender", "type": "STRAGGLER", "slot": 1, "round": 0}]},
+        ],
+        "counters": {"COMPLETED": 2, "RETAINED": 1, "STRAGGLER": 1, "NEW_ROUND": 2},
+    },
+    {
+        "name": "two_jobs_isolated",
+        "doc": "Two jobs on the same slot and round never touch each other's registers.",
+        "jobs": [JOB, JOB2],
+        "steps": [
+            {"send": data(0, 0, 0, A), "expect": []},
+            {"send": data(0, 0, 0, C, job=2, key=0x22222222), "expect": []},
+            {"send": data(1, 0, 0, D, job=2, key=0x22222222),
+             "expect": [result(0, 0, C_D, 0b11, job=2, key=0x22222222)]},
+            {"send": data(1, 0, 0, B), "expect": [result(0, 0, A_B, 0b11, job=1)]},
+            {"send": data(1, 0, 0, D, job=1, key=0x22222222), "expect": []},
+        ],
+        "counters": {"COMPLETED": 2, "BAD_KEY": 1},
+    },
+    {
+        "name": "uncompressed_int32",
+        "doc": "An uncompressed job sums int32 fixed-point values (negatives included), 32-bit results.",
+        "jobs": [JOB_INT],
+        "steps": [
+            {"send": {"type": "DATA", "job": 3, "worker": 0, "slot": 1, "round": 0,
+                      "ints": [1, -2, 3, -4, 100000, -100000, 2147483000, 0]}, "expect": []},
+            {"send": {"type": "DATA", "job": 3, "worker": 1, "slot": 1, "round": 0,
+                      "ints": [10, 20, -30, 4, 1, 1, 600, -2147483648]},
+             "expect": [{"to": "all", "type": "RESULT", "job": 3, "slot": 1, "round": 0, "table_id": 0,
+                         "ints": [11, 18, -27, 0, 100001, -99999, 2147483600, -2147483648],
+                         "contributors": 2, "bitmap": 3, "width": 32}]},
+        ],
+        "counters": {"COMPLETED": 1, "ELEMENTS": 16},
+    },
+]

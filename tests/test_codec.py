@@ -1,0 +1,193 @@
+"""THC end to end in one process: homomorphism, unbiasedness, partial aggregation, error feedback."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worker_lib.thc import (
+    SignKey,
+    THCCodec,
+    THCConfig,
+    THCWorker,
+    table_decode,
+    table_encode,
+    uniform_encode,
+    uniform_table,
+)
+from worker_lib.thc.hadamard import RandomizedHadamard
+from worker_lib.thc.quantize import UniformSource
+
+
+def run_round(xs, config, key, seeds, codec_count=None):
+    codecs = [THCCodec(config, seed=s) for s in seeds]
+    norm = max(float(x.norm()) for x in xs)
+    encs = [c.encode(x, norm, key) for c, x in zip(codecs, xs, strict=True)]
+    return codecs, encs
+
+
+@given(d=st.integers(1, 700), n=st.integers(1, 6), bits=st.integers(1, 6), extra=st.integers(0, 40),
+       seed=st.integers(0, 10_000))
+@settings(max_examples=40, deadline=None)
+def test_homomorphism(d, n, bits, extra, seed):
+    """(1/n) sum D(T(C(x_i))) == D((1/n) sum T(C(x_i))): decoding the sum equals averaging the decodes."""
+    config = THCConfig(bits=bits, granularity=(1 << bits) - 1 + extra, p=1 / 32, error_feedback=False)
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(d, generator=gen) * (i + 1) for i in range(n)]
+    key = SignKey.derive(seed, 0, 0)
+    codecs, encs = run_round(xs, config, key, range(seed, seed + n))
+    c = codecs[0]
+    together = c.decode(c.aggregate([e.indices for e in encs]), n, encs[0].scale, d, key)
+    separately = [c.decode(c.aggregate([e.indices]), 1, e.scale, d, key) for e in encs]
+    avg = torch.stack(separately).mean(0)
+    assert torch.allclose(together, avg, atol=1e-5 * (1 + float(avg.abs().max())))
+
+
+def test_unbiased_with_respect_to_the_clamped_rotation():
+    d, trials = 300, 3000
+    config = THCConfig(bits=2, granularity=7, p=0.2, error_feedback=False)  # clamps noticeably
+    x = torch.randn(d, generator=torch.Generator().manual_seed(3)).double()
+    key = SignKey.derive(5, 0, 0)
+    codec = THCCodec(config, seed=11)
+    norm = float(x.norm())
+    rht = RandomizedHadamard(d, key, dtype=torch.float64)
+    big_m = config.t_p * norm / math.sqrt(rht.padded)
+    target = rht.inverse(rht.forward(x).clamp(-big_m, big_m))
+    acc = torch.zeros(d, dtype=torch.float64)
+    for _ in range(trials):
+        enc = codec.encode(x.float(), norm, key)
+        acc += codec.decode(codec.aggregate([enc.indices]), 1, enc.scale, d, key).double()
+    # a rotated coordinate's rounding variance is at most w^2 / 4, w the widest table segment; each
+    # output coordinate of the orthonormal inverse averages those independent variances
+    values = codec.table.values
+    widest = max(b - a for a, b in zip(values, values[1:], strict=False)) * 2 * big_m / config.granularity
+    sigma = widest / 2 / math.sqrt(trials)
+    assert float((acc / trials - target).abs().max()) < 6 * sigma
+    assert float((target - x).norm()) > 0.01 * float(x.norm())  # the test does exercise clamping
+
+
+def test_partial_aggregation_divides_by_the_count_that_arrived():
+    d, key = 1000, SignKey.derive(1, 2, 3)
+    config = THCConfig(error_feedback=False)
+    xs = [torch.randn(d) for _ in range(4)]
+    codecs, encs = run_round(xs, config, key, range(4))
+    c = codecs[0]
+    three = c.decode(c.aggregate([e.indices for e in encs[:3]]), 3, encs[0].scale, d, key)
+    each = [c.decode(c.aggregate([e.indices]), 1, e.scale, d, key) for e in encs[:3]]
+    assert torch.allclose(three, torch.stack(each).mean(0), atol=1e-5)
+
+
+def test_error_feedback_telescopes():
+    """With one worker, the sum of decoded updates plus the final error equals the sum of gradients."""
+    d, steps = 2000, 6
+    w = THCWorker(THCConfig(bits=2, granularity=3, p=0.05), job=9, worker=0, seed=4)
+    gen = torch.Generator().manual_seed(0)
+    total_grad = torch.zeros(d, dtype=torch.float64)
+    total_est = torch.zeros(d, dtype=torch.float64)
+    for step in range(steps):
+        g = torch.randn(d, generator=gen)
+        total_grad += g.double()
+        norm = w.begin(g, tensor=0, step=step)
+        enc = w.compress(0, norm)
+        total_est += w.finish(0, w.codec.aggregate([enc.indices]), 1).double()
+    err = w.error(0).double()
+    assert torch.allclose(total_est + err, total_grad, atol=1e-3)
+    assert float(err.norm()) > 0  # 2-bit quantization does leave an error to carry
+
+
+def test_error_feedback_matches_its_definition():
+    d = 500
+    w = THCWorker(THCConfig(), job=1, seed=2)
+    g = torch.randn(d)
+    norm = w.begin(g, 0, 0)
+    enc = w.compress(0, norm * 1.5)
+    indices = enc.indices.clone()
+    w.finish(0, w.codec.aggregate([indices]), 1)
+    key = SignKey.derive(1, 0, 0)
+    rht = RandomizedHadamard(d, key, dtype=torch.float64)
+    values = torch.tensor(w.codec.table.values, dtype=torch.float64)[indices.long()]
+    x_i = -enc.scale + values * 2 * enc.scale / w.config.granularity
+    assert torch.allclose(w.error(0).double(), g.double() - rht.inverse(x_i), atol=1e-5)
+    # the next step starts from gradient + error
+    g2 = torch.randn(d)
+    assert math.isclose(w.begin(g2, 0, 1), float((g2 + w.error(0)).norm()), rel_tol=1e-5)
+
+
+def test_workers_share_signs_but_not_randomness():
+    x = torch.randn(4096)
+    a, b = THCWorker(THCConfig(), job=3, seed=1), THCWorker(THCConfig(), job=3, seed=2)
+    na, nb = a.begin(x, 0, 7), b.begin(x, 0, 7)
+    ia, ib = a.compress(0, na).indices.clone(), b.compress(0, nb).indices.clone()
+    assert 0 < int((ia != ib).sum()) < ia.numel() // 2  # same rotation, different rounding
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_dtypes_round_trip(dtype):
+    w = THCWorker(THCConfig(), job=1)
+    g = torch.randn(3, 100).to(dtype)
+    n = w.begin(g, 0, 0)
+    enc = w.compress(0, n)
+    out = w.finish(0, w.codec.aggregate([enc.indices]), 1)
+    assert out.dtype == dtype and out.shape == g.shape
+    assert float((out.double() - g.double()).norm() / g.double().norm()) < 0.5
+
+
+def test_zero_gradient_decodes_to_zero():
+    w = THCWorker(THCConfig(), job=1)
+    n = w.begin(torch.zeros(10), 0, 0)
+    enc = w.compress(0, n)
+    assert torch.equal(w.finish(0, w.codec.aggregate([enc.indices]), 1), torch.zeros(10))
+
+
+def test_clear_errors():
+    w = THCWorker(THCConfig(), job=1)
+    with pytest.raises(ValueError, match="empty"):
+        w.begin(torch.zeros(0), 0, 0)
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        w.begin(torch.tensor([1.0, float("nan")]), 0, 0)
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        w.begin(torch.tensor([1.0, float("inf")]), 0, 0)
+    with pytest.raises(TypeError, match="floating-point"):
+        w.begin(torch.tensor([1, 2]), 0, 0)
+    with pytest.raises(RuntimeError, match="begin"):
+        w.compress(5, 1.0)
+    n = w.begin(torch.ones(8), 0, 0)
+    with pytest.raises(ValueError, match="below this worker's norm"):
+        w.compress(0, n / 2)
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        w.compress(0, -1.0)
+    with pytest.raises(RuntimeError, match="compress"):
+        w.finish(0, torch.zeros(8, dtype=torch.int64), 1)
+    enc = w.compress(0, n)
+    sums = w.codec.aggregate([enc.indices])
+    with pytest.raises(ValueError, match="count must be positive"):
+        w.finish(0, sums, 0)
+    with pytest.raises(ValueError, match=r"outside \[0, g \* count\]"):
+        w.finish(0, sums + 1000, 1)
+    with pytest.raises(ValueError, match="expected 8 sums"):
+        w.finish(0, sums[:4], 1)
+    with pytest.raises(ValueError, match="granularity"):
+        THCConfig(bits=4, granularity=10)
+    with pytest.raises(ValueError, match="p must lie"):
+        THCConfig(p=1.5)
+
+
+def test_uniform_and_table_algorithms_are_homomorphic():
+    """Algorithms 1 and 2: sum of table values of the indices decodes to the average estimate."""
+    xs = [torch.randn(50) for _ in range(3)]
+    low, high = min(float(x.min()) for x in xs), max(float(x.max()) for x in xs)
+    src = UniformSource(seed=0)
+    table = uniform_table(4)
+    idx = [uniform_encode(x, low, high, 4, src) for x in xs]
+    sums = sum(torch.tensor(table.values)[i.long()] for i in idx)
+    avg = table_decode(sums, 3, low, high, table)
+    each = [table_decode(torch.tensor(table.values)[i.long()], 1, low, high, table) for i in idx]
+    assert torch.allclose(avg, torch.stack(each).mean(0), atol=1e-5)
+    # with uniform THC the table is the identity: the sum of indices is the sum of values
+    assert torch.equal(sum(i.long() for i in idx), sums)
+    table2 = THCConfig(bits=2, granularity=9).table()
+    idx2 = table_encode(xs[0], low, high, table2, src)
+    est = table_decode(torch.tensor(table2.values)[idx2.long()], 1, low, high, table2)
+    assert float((est - xs[0]).abs().max()) <= (high - low) / 9 * 4 + 1e-5  # within the widest segment

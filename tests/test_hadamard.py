@@ -1,0 +1,85 @@
+"""The Walsh-Hadamard transform and the RHT against scipy's Hadamard matrix."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.linalg import hadamard
+
+from worker_lib.thc.hadamard import RandomizedHadamard, fwht, have_fht_cpu, next_pow2
+from worker_lib.thc.signs import SignKey, rademacher
+
+BACKENDS = ["torch", pytest.param("fht-cpu", marks=pytest.mark.skipif(
+    not have_fht_cpu(), reason="the fht-cpu package is not installed (x86-64 wheel only)"))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 64, 1024])
+def test_fwht_matches_scipy(backend, n):
+    x = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+    expected = hadamard(n) @ x.numpy() / math.sqrt(n)
+    np.testing.assert_allclose(fwht(x, backend=backend).numpy(), expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(fwht(x, backend=backend, normalize=False).numpy(), hadamard(n) @ x.numpy(),
+                               rtol=1e-12, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fwht_rows_and_inplace(backend):
+    x = torch.randn(3, 16, dtype=torch.float32)
+    expected = torch.from_numpy((hadamard(16) @ x.double().numpy().T).T / 4).float()
+    assert torch.allclose(fwht(x, backend=backend), expected, atol=1e-5)
+    y = x.clone()
+    assert fwht(y, backend=backend, inplace=True) is y
+    assert torch.allclose(y, expected, atol=1e-5)
+
+
+def test_backends_agree_in_float32():
+    if not have_fht_cpu():
+        pytest.skip("the fht-cpu package is not installed (x86-64 wheel only)")
+    x = torch.randn(1 << 16)
+    assert torch.allclose(fwht(x, backend="torch"), fwht(x, backend="fht-cpu"), atol=1e-5)
+
+
+@given(d=st.integers(1, 3000), seed=st.integers(0, 2**32 - 1))
+@settings(max_examples=40, deadline=None)
+def test_rht_is_an_exact_orthonormal_rotation(d, seed):
+    x = torch.randn(d, dtype=torch.float64, generator=torch.Generator().manual_seed(seed % 1000))
+    rht = RandomizedHadamard(d, SignKey.derive(1, seed, 0), dtype=torch.float64)
+    y = rht.forward(x)
+    assert y.shape == (next_pow2(d),)
+    assert math.isclose(float(y.norm()), float(x.norm()), rel_tol=1e-10)
+    assert torch.allclose(rht.inverse(y), x, atol=1e-10)
+
+
+def test_rht_equals_explicit_matrix_product():
+    d, key = 11, SignKey.derive(3, 4, 5)
+    x = torch.randn(d, dtype=torch.float64)
+    padded = np.zeros(16)
+    padded[:d] = x.numpy()
+    signs = rademacher(key, 16, dtype=torch.float64).numpy()
+    expected = hadamard(16) @ (signs * padded) / 4
+    got = RandomizedHadamard(d, key, dtype=torch.float64).forward(x)
+    np.testing.assert_allclose(got.numpy(), expected, atol=1e-12)
+
+
+def test_rekey_changes_signs_in_place():
+    rht = RandomizedHadamard(100, SignKey.derive(1, 1, 1))
+    buf = rht.signs
+    rht.rekey(SignKey.derive(1, 1, 2))
+    assert rht.signs is buf
+    assert torch.equal(buf, rademacher(SignKey.derive(1, 1, 2), 128))
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="power of two"):
+        fwht(torch.zeros(6))
+    with pytest.raises(TypeError):
+        fwht(torch.zeros(8, dtype=torch.int32))
+    rht = RandomizedHadamard(5, SignKey.derive(0, 0, 0))
+    with pytest.raises(ValueError, match="length 5"):
+        rht.forward(torch.zeros(6))
+    with pytest.raises(ValueError):
+        next_pow2(0)

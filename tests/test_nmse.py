@@ -1,0 +1,37 @@
+"""The NMSE experiment (THC paper, Appendix C.1) and `thc-bench nmse`."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from worker_lib.thc.nmse import NMSESetting, mean_nmse, nmse_trials
+
+
+def test_nmse_falls_with_bits_and_workers():
+    base = dict(p=1 / 32, dim=1 << 14, trials=3, seed=1)
+    by_bits = [mean_nmse(NMSESetting(bits=b, granularity=36, workers=4, **base)) for b in (2, 3, 4)]
+    assert by_bits[0] > 2 * by_bits[1] and by_bits[1] > 1.5 * by_bits[2] > 0
+    by_workers = [mean_nmse(NMSESetting(bits=4, granularity=38, workers=n, **base)) for n in (1, 4)]
+    # quantization noise averages out over independent workers (the clamping bias does not)
+    assert by_workers[0] > 1.5 * by_workers[1]
+
+
+def test_nmse_is_reproducible_and_single_worker_matches_direct_error():
+    s = NMSESetting(bits=3, granularity=20, workers=1, dim=5000, trials=2, seed=4)
+    a, b = nmse_trials(s), nmse_trials(s)
+    assert np.array_equal(a, b)
+    assert np.all((a > 0) & (a < 1))
+
+
+def test_cli_json():
+    out = subprocess.run([sys.executable, "-m", "worker_lib.cli.bench_cli", "nmse", "--bits", "2",
+                          "--granularity", "36", "--workers", "2", "--dim", "4096", "--trials", "2",
+                          "--json"], capture_output=True, text=True, check=True)
+    data = json.loads(out.stdout)
+    expected = mean_nmse(NMSESetting(bits=2, granularity=36, workers=2, dim=4096, trials=2))
+    assert abs(data["nmse"] - expected) < 1e-12
+    bad = subprocess.run([sys.executable, "-m", "worker_lib.cli.bench_cli", "nmse", "--bits", "4",
+                          "--granularity", "2"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "granularity" in bad.stderr and "Traceback" not in bad.stderr

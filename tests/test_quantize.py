@@ -1,0 +1,100 @@
+"""Stochastic quantization onto table values, index packing, and the aggregator's sum."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worker_lib.thc.quantize import (
+    TableQuantizer,
+    UniformSource,
+    Workspace,
+    lookup_sum,
+    pack_indices,
+    packed_size,
+    unpack_indices,
+)
+from worker_lib.thc.table import solve_table, uniform_table
+
+
+def reference_pack(z, bits):
+    """Pack by writing each index as a b-character bit string, MSB first, then cutting bytes."""
+    z = list(z) + [0] * (-len(z) % 8)
+    stream = "".join(format(v, f"0{bits}b") for v in z)
+    return bytes(int(stream[i:i + 8], 2) for i in range(0, len(stream), 8))
+
+
+@given(bits=st.integers(1, 8), data=st.data())
+@settings(max_examples=80, deadline=None)
+def test_pack_matches_bitstring_reference_and_round_trips(bits, data):
+    n = data.draw(st.integers(1, 200))
+    z = data.draw(st.lists(st.integers(0, (1 << bits) - 1), min_size=n, max_size=n))
+    t = torch.tensor(z, dtype=torch.uint8)
+    packed = pack_indices(t, bits)
+    assert packed.numel() == packed_size(n, bits)
+    assert bytes(packed.numpy()) == reference_pack(z, bits)
+    assert unpack_indices(packed, bits, n).tolist() == z
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_pack_with_buffers(bits):
+    n = 1024
+    z = torch.randint(0, 1 << bits, (n,), dtype=torch.uint8)
+    out = torch.empty(packed_size(n, bits), dtype=torch.uint8)
+    assert pack_indices(z, bits, out=out) is out
+    back = torch.empty(n, dtype=torch.uint8)
+    assert unpack_indices(out, bits, n, out=back) is back
+    assert torch.equal(back, z)
+
+
+def test_pack_errors():
+    with pytest.raises(ValueError):
+        pack_indices(torch.zeros(8, dtype=torch.uint8), 9)
+    with pytest.raises(ValueError, match="cannot hold"):
+        unpack_indices(torch.zeros(3, dtype=torch.uint8), 4, 8)
+    with pytest.raises(TypeError):
+        unpack_indices(torch.zeros(8, dtype=torch.int32), 4, 8)
+
+
+@pytest.mark.parametrize("table", [solve_table(4, 30, 1 / 32), solve_table(2, 36, 1 / 32), uniform_table(3),
+                                   solve_table(3, 20, 0.01)], ids=["b4g30", "b2g36", "uniform3", "b3g20"])
+def test_quantization_brackets_and_is_unbiased(table):
+    g = table.granularity
+    values = np.asarray(table.values)
+    y = torch.linspace(0, g, 501)
+    q = TableQuantizer(table)
+    src = UniformSource(seed=5)
+    trials = 4000
+    acc = np.zeros(y.numel())
+    for _ in range(trials):
+        idx = q.quantize(y, src.fill(torch.empty(y.numel()))).numpy()
+        picked = values[idx]
+        lo = values[np.searchsorted(values, y.numpy(), side="right") - 1]
+        hi = values[np.minimum(np.searchsorted(values, y.numpy(), side="left"), len(values) - 1)]
+        assert np.all((picked == lo) | (picked == hi))  # only the two adjacent table values
+        acc += picked
+    mean = acc / trials
+    yv = y.double().numpy()
+    lo = values[np.clip(np.searchsorted(values, yv, side="right") - 1, 0, len(values) - 2)]
+    hi = values[np.clip(np.searchsorted(values, yv, side="right"), 1, len(values) - 1)]
+    sd = np.sqrt(np.maximum((yv - lo) * (hi - yv), 0) / trials)
+    assert np.all(np.abs(mean - yv) <= 5 * sd + 1e-4)  # 5 sigma, plus float32 rounding of y
+
+
+def test_quantize_with_workspace_reuses_buffers():
+    table = solve_table(4, 30, 1 / 32)
+    ws = Workspace(256, "cpu", 4)
+    y = torch.rand(256) * 30
+    idx = TableQuantizer(table).quantize(y, UniformSource(seed=1).fill(torch.empty(256)), ws)
+    assert idx.data_ptr() == ws.indices.data_ptr()
+
+
+def test_lookup_sum_against_loop():
+    table = solve_table(4, 30, 1 / 32)
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, 16, size=(5, 100))
+    expected = [sum(table.values[idx[w, c]] for w in range(5)) for c in range(100)]
+    assert lookup_sum(table.as_array(), idx).tolist() == expected
+    with pytest.raises(ValueError, match="outside the table"):
+        lookup_sum(table.as_array(), np.full((1, 3), 16))

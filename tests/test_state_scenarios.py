@@ -1,0 +1,89 @@
+"""Run the target-neutral scenario table (tests/scenarios.py) against the Python state machine."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from aggregator.jobs import job_from_mapping
+from aggregator.state import Aggregator, Counter
+from tests.scenarios import SCENARIOS
+from worker_lib.wire import PacketType, bits_float, build_packet, float_bits, pack_indices_np, parse_packet
+
+
+def _build(send: dict, jobs: dict) -> bytes:
+    """The bytes of a scenario packet (the scenario gives fields and a payload description)."""
+    if "raw" in send:
+        return bytes.fromhex(send["raw"])
+    fields = {k: v for k, v in send.items() if k not in ("indices", "ints", "norm", "truncate", "extra")}
+    typ = fields.pop("type")
+    fields["type"] = PacketType[typ] if isinstance(typ, str) else typ
+    cfg = jobs[fields.get("job", 1)] if fields.get("job", 1) in jobs else next(iter(jobs.values()))
+    fields.setdefault("job", cfg.job)
+    fields.setdefault("key", cfg.key)
+    fields.setdefault("table_id", cfg.table_id)
+    if "norm" in send:
+        payload = float_bits(send["norm"]).to_bytes(4, "big")
+        fields.setdefault("elems", 1)
+        fields.setdefault("width", 32)
+    elif "ints" in send:
+        payload = np.asarray(send["ints"], ">i4").tobytes()
+        fields.setdefault("elems", len(send["ints"]))
+        fields.setdefault("width", 32)
+    else:
+        payload = pack_indices_np(np.asarray(send["indices"]), cfg.bits).tobytes()
+        fields.setdefault("elems", len(send["indices"]))
+        fields.setdefault("width", cfg.bits)
+    pkt = build_packet(payload, **fields)
+    pkt = pkt[: len(pkt) - send.get("truncate", 0)]
+    return pkt + bytes(send.get("extra", 0))
+
+
+def _check(got: tuple[bool, bytes], want: dict, jobs: dict, where: str) -> None:
+    fanout, data = got
+    assert fanout == (want["to"] == "all"), f"{where}: destination"
+    hdr, payload = parse_packet(data)
+    assert hdr["type"] == PacketType[want["type"]], f"{where}: type {hdr['type']}"
+    for name, value in want.items():
+        if name in ("to", "type", "sums", "norm", "ints"):
+            continue
+        assert hdr[name] == value, f"{where}: field {name} = {hdr[name]}, expected {value}"
+    cfg = jobs[hdr["job"]]
+    assert hdr["key"] == cfg.key
+    if "sums" in want:
+        assert hdr["width"] == cfg.result_bits and hdr["elems"] == len(want["sums"])
+        sums = np.frombuffer(payload, {8: ">u1", 16: ">u2", 32: ">u4"}[cfg.result_bits]).tolist()
+        assert sums == want["sums"], f"{where}: sums"
+    if "ints" in want:
+        assert np.frombuffer(payload, ">i4").tolist() == want["ints"], f"{where}: int32 sums"
+    if "norm" in want:
+        assert len(payload) == 4 and bits_float(int.from_bytes(payload, "big")) == want["norm"]
+    if want["type"] == "STRAGGLER":
+        assert payload == b""
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s["name"] for s in SCENARIOS])
+def test_scenario(scenario: dict) -> None:
+    """Each packet produces exactly the listed packets, and the counters end as listed."""
+    jobs = {c.job: c for c in (job_from_mapping(dict(j)) for j in scenario["jobs"])}
+    agg = Aggregator(jobs.values())
+    for n, step in enumerate(scenario["steps"]):
+        got = agg.handle(_build(step["send"], jobs))
+        where = f"{scenario['name']} step {n}"
+        assert len(got) == len(step["expect"]), f"{where}: {len(got)} packets out, expected {len(step['expect'])}"
+        for g, w in zip(got, step["expect"], strict=True):
+            _check(g, w, jobs, where)
+    for name, value in scenario["counters"].items():
+        assert agg.counters[Counter[name]] == value, f"{scenario['name']}: counter {name}"
+    assert agg.counters[Counter.RX] == len(scenario["steps"])
+
+
+def test_scenario_norm_values_are_exact_floats() -> None:
+    """Norm scenarios use floats that float32 holds exactly (so the expected bits are unambiguous)."""
+    for sc in SCENARIOS:
+        for step in sc["steps"]:
+            for pkt in [step["send"], *step["expect"]]:
+                if "norm" in pkt and math.isfinite(pkt["norm"]):
+                    assert bits_float(float_bits(pkt["norm"])) == pkt["norm"]

@@ -1,0 +1,172 @@
+"""Fast numpy (de)serialization of THC packets, one packet or whole batches at a time.
+
+The header is a big-endian structured dtype (``layout.HEADER_DTYPE``); a batch of received packets
+sits in a 2-D uint8 buffer (one row per packet), and ``header_view`` gives every header of the batch
+without copying. Payload helpers pack b-bit indices MSB-first exactly as
+``worker_lib.thc.pack_indices`` does, and carry sums at the job's result width, big-endian. Nothing
+here needs torch: the transport's low-level calls and the aggregator use it directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from worker_lib.wire.layout import FIELD_NAMES, HEADER_BYTES, HEADER_DTYPE, VERSION, header_dtype
+
+_RESULT_DTYPES = {8: np.dtype(">u1"), 16: np.dtype(">u2"), 32: np.dtype(">u4")}
+
+
+def packed_bytes(count: int, bits: int) -> int:
+    """Bytes of ``count`` b-bit indices (count is a multiple of 8 on the wire)."""
+    return (count * bits + 7) // 8
+
+
+def pack_indices_np(indices: np.ndarray, bits: int) -> np.ndarray:
+    """Pack b-bit indices MSB-first (index 0 in the top bits of byte 0), like ``thc.pack_indices``.
+
+    ``indices`` may be 1-D (one payload) or 2-D (one payload per row); the last axis is padded with
+    zeros to a multiple of 8 elements.
+    """
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    z = np.asarray(indices, dtype=np.uint8)
+    if z.size and int(z.max()) >= (1 << bits):
+        raise ValueError(f"an index does not fit in {bits} bits")
+    pad = (-z.shape[-1]) % 8
+    if pad:
+        z = np.concatenate([z, np.zeros((*z.shape[:-1], pad), np.uint8)], axis=-1)
+    if bits == 8:
+        return z.copy()
+    if bits == 4:
+        return (z[..., 0::2] << 4) | z[..., 1::2]
+    bitmat = np.unpackbits(z[..., None], axis=-1)[..., 8 - bits:]
+    return np.packbits(bitmat.reshape(*z.shape[:-1], -1), axis=-1)
+
+
+def unpack_indices_np(buf: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """Inverse of ``pack_indices_np``: the first ``count`` indices of each row (uint8)."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    b = np.asarray(buf, dtype=np.uint8)
+    need = packed_bytes(count, bits)
+    if b.shape[-1] < need:
+        raise ValueError(f"{b.shape[-1]} bytes cannot hold {count} indices of {bits} bits")
+    b = b[..., :need]
+    if bits == 8:
+        return b[..., :count].copy()
+    if bits == 4:
+        out = np.empty((*b.shape[:-1], 2 * need), np.uint8)
+        np.right_shift(b, 4, out=out[..., 0::2])
+        np.bitwise_and(b, 15, out=out[..., 1::2])
+        return out[..., :count]
+    bitmat = np.unpackbits(b, axis=-1)[..., : count * bits].reshape(*b.shape[:-1], count, bits)
+    weights = (1 << np.arange(bits - 1, -1, -1)).astype(np.uint8)
+    return (bitmat * weights).sum(axis=-1, dtype=np.uint8)
+
+
+def result_dtype(width: int) -> np.dtype:
+    """Big-endian unsigned dtype of a result element of ``width`` bits."""
+    try:
+        return _RESULT_DTYPES[width]
+    except KeyError:
+        raise ValueError(f"result width must be one of 8, 16, 32, got {width}") from None
+
+
+def encode_sums(sums: np.ndarray, width: int) -> bytes:
+    """Sums as a result payload: unsigned big-endian (uncompressed jobs' int32 sums: two's complement)."""
+    s = np.asarray(sums)
+    if width == 32:
+        return s.astype(np.int64).astype(np.uint32).astype(">u4").tobytes()
+    if s.size and (int(s.min()) < 0 or int(s.max()) >= (1 << width)):
+        raise ValueError(f"a sum does not fit in {width} bits")
+    return s.astype(result_dtype(width)).tobytes()
+
+
+def decode_sums(payload: bytes | np.ndarray, width: int, count: int, *, signed: bool = False) -> np.ndarray:
+    """Result payload -> int64 sums (``signed`` for the int32 sums of uncompressed jobs)."""
+    dt = result_dtype(width)
+    if isinstance(payload, bytes | bytearray | memoryview):
+        arr = np.frombuffer(payload, dtype=dt, count=count)
+    else:
+        arr = np.ascontiguousarray(np.asarray(payload, np.uint8)[: count * dt.itemsize]).view(dt)
+    if signed:
+        if width != 32:
+            raise ValueError("signed sums are int32")
+        return arr.astype(np.uint32).view(np.int32).astype(np.int64)
+    return arr.astype(np.int64)
+
+
+def encode_int32(values: np.ndarray) -> bytes:
+    """Uncompressed payload: int32 fixed-point values, big-endian."""
+    return np.asarray(values, dtype=np.int64).astype(np.int32).astype(">i4").tobytes()
+
+
+def float_bits(value: float) -> int:
+    """IEEE-754 float32 bits of a norm (the aggregator maxes them as integers)."""
+    return int(np.array([value], dtype=">f4").view(">u4")[0])
+
+
+def bits_float(bits: int) -> float:
+    """Inverse of ``float_bits``."""
+    return float(np.array([bits], dtype=">u4").view(">f4")[0])
+
+
+def make_header(**fields: int) -> np.ndarray:
+    """One header record; unspecified fields are 0 (``version`` defaults to the current one)."""
+    unknown = set(fields) - set(FIELD_NAMES)
+    if unknown:
+        raise ValueError(f"unknown header fields: {sorted(unknown)}")
+    rec = np.zeros(1, dtype=HEADER_DTYPE)
+    rec["version"] = VERSION
+    for name, value in fields.items():
+        rec[name] = value
+    return rec
+
+
+def build_packet(payload: bytes = b"", **fields: int) -> bytes:
+    """Header fields + payload -> the bytes of one THC packet (the UDP payload)."""
+    return make_header(**fields).tobytes() + bytes(payload)
+
+
+def parse_packet(data: bytes) -> tuple[dict[str, int], bytes]:
+    """Bytes of one THC packet -> (header fields, payload). Raises ValueError on a short packet."""
+    if len(data) < HEADER_BYTES:
+        raise ValueError(f"packet of {len(data)} bytes is shorter than the {HEADER_BYTES}-byte header")
+    rec = np.frombuffer(data, dtype=HEADER_DTYPE, count=1)[0]
+    return {name: int(rec[name]) for name in FIELD_NAMES}, bytes(data[HEADER_BYTES:])
+
+
+def build_batch(headers: np.ndarray | Mapping[str, np.ndarray], payloads: np.ndarray) -> np.ndarray:
+    """Serialize a batch: B headers and a (B, L) uint8 payload array -> (B, HEADER_BYTES + L) uint8."""
+    pay = np.asarray(payloads, dtype=np.uint8)
+    if pay.ndim != 2:
+        raise ValueError("payloads must be a 2-D uint8 array (one row per packet)")
+    rows = pay.shape[0]
+    out = np.zeros((rows, HEADER_BYTES + pay.shape[1]), np.uint8)
+    view = header_view(out)
+    if isinstance(headers, np.ndarray) and headers.dtype.names:
+        for name in FIELD_NAMES:
+            view[name] = headers[name]
+    else:
+        view["version"] = VERSION
+        for name, value in headers.items():
+            view[name] = value
+    out[:, HEADER_BYTES:] = pay
+    return out
+
+
+def header_view(buf: np.ndarray) -> np.ndarray:
+    """Structured view of the headers of a 2-D uint8 batch buffer (one packet per row), no copy."""
+    if buf.ndim != 2 or buf.dtype != np.uint8:
+        raise ValueError("a batch buffer is a 2-D uint8 array")
+    if not buf.flags.c_contiguous:
+        raise ValueError("a batch buffer must be C-contiguous")
+    return np.frombuffer(buf, dtype=header_dtype(buf.shape[1]), count=buf.shape[0]) if buf.size \
+        else np.zeros(0, dtype=header_dtype(max(buf.shape[1], HEADER_BYTES)))
+
+
+def split_batch(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(headers view, payload view) of a batch buffer."""
+    return header_view(buf), buf[:, HEADER_BYTES:]
