@@ -21,6 +21,7 @@ import torch
 
 from worker_lib.thc import THCCodec, THCConfig
 from worker_lib.thc.hadamard import have_fht_cpu
+from worker_lib.thc.quantize import unpack_indices
 from worker_lib.thc.signs import SignKey
 
 
@@ -35,19 +36,25 @@ def measure(config: THCConfig, dim: int, repeats: int, device: torch.device) -> 
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(dim, generator=gen).to(device)
     values = codec.quantizer.values
+    buffers = codec.buffers(dim, SignKey.derive(1, 0, 0))
+    # the receive side's own buffers, as a training loop reuses them every step
+    padded = buffers.rht.padded
+    received = torch.empty(padded, dtype=torch.uint8, device=device)
+    sums = torch.empty(padded, dtype=torch.int32, device=device)
+    est = torch.empty(dim, dtype=torch.float32, device=device)
     enc_times, dec_times = [], []
     for step in range(repeats + 3):
         key = SignKey.derive(1, 0, step)
         _sync(device)
         t0 = time.perf_counter()
         norm = float(torch.linalg.vector_norm(x))
-        enc = codec.encode(x, norm, key)
+        enc = codec.encode(x, norm, key, buffers)
         payload = enc.packed()
         _sync(device)
         t1 = time.perf_counter()
-        indices = codec.unpack(payload, enc.padded)
-        sums = values[indices.long()]
-        est = codec.decode(sums, 1, enc.scale, dim, key)
+        indices = unpack_indices(payload, config.bits, padded, out=received)
+        torch.index_select(values, 0, indices.to(torch.int32), out=sums)
+        codec.decode(sums, 1, enc.scale, dim, key, buffers, out=est)
         _sync(device)
         t2 = time.perf_counter()
         if step >= 3:  # warm-up excluded

@@ -5,8 +5,11 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
+from scipy.stats import norm
 
 from worker_lib.thc.nmse import NMSESetting, mean_nmse, nmse_trials
+from worker_lib.thc.table import solve_table
 
 
 def test_nmse_falls_with_bits_and_workers():
@@ -35,3 +38,15 @@ def test_cli_json():
     bad = subprocess.run([sys.executable, "-m", "worker_lib.cli.bench_cli", "nmse", "--bits", "4",
                           "--granularity", "2"], capture_output=True, text=True)
     assert bad.returncode == 2 and "granularity" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("bits,g,workers", [(2, 36, 1), (3, 36, 4), (4, 38, 10), (4, 20, 2)])
+def test_nmse_matches_the_table_objective_prediction(bits, g, workers):
+    """After the RHT the coordinates are ~N(0, ||x||^2/D): the expected NMSE is the clamping loss
+    E[(|Z| - t_p)^2; |Z| > t_p] plus the table's objective (its rounding variance) divided by n."""
+    t = norm.ppf(1 - 1 / 64)
+    clamping = 2 * ((1 + t * t) * norm.sf(t) - t * norm.pdf(t))
+    predicted = clamping + solve_table(bits, g, 1 / 32).objective / workers
+    measured = mean_nmse(NMSESetting(bits=bits, granularity=g, p=1 / 32, workers=workers, dim=1 << 16,
+                                     trials=2, seed=3))
+    assert abs(measured - predicted) < 0.06 * predicted

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from worker_lib.cli.args import fraction
+from worker_lib.codecs.cli import add_codecs_parser
 from worker_lib.thc.nmse import NMSESetting, nmse_trials
 
 
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="thc-bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_nmse(sub)
+    add_codecs_parser(sub)
     return parser
 
 

@@ -53,18 +53,25 @@ class THCConfig:
         return truncation_threshold(self.p)
 
 
-def check_vector(x: torch.Tensor, name: str = "gradient") -> torch.Tensor:
-    """Flatten a tensor and refuse what THC cannot encode (empty, non-float, non-finite)."""
+def check_vector(x: torch.Tensor, name: str = "gradient") -> tuple[torch.Tensor, float]:
+    """Flatten a tensor to float32, refusing what THC cannot encode; also return its norm.
+
+    A finite norm proves every coordinate finite, so the O(d) scan for NaN and infinities runs only
+    to explain a failure.
+    """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.numel() == 0:
         raise ValueError(f"{name} is empty")
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
-    flat = x.detach().reshape(-1)
-    if not bool(torch.isfinite(flat).all()):
+    flat = x.detach().reshape(-1).to(torch.float32)
+    norm = float(torch.linalg.vector_norm(flat))
+    if not math.isfinite(norm):
+        if bool(torch.isfinite(flat).all()):
+            raise ValueError(f"{name}'s norm overflows float32 (values around 1e19 or larger)")
         raise ValueError(f"{name} holds NaN or infinite values")
-    return flat
+    return flat, norm
 
 
 def check_norm(value: float, name: str = "norm") -> float:
@@ -159,7 +166,7 @@ class THCCodec:
     def encode(self, x: torch.Tensor, max_norm: float, key: SignKey,
                buffers: TensorBuffers | None = None) -> Encoded:
         """Compress x given the job's maximum norm and the step's sign key."""
-        flat = check_vector(x).to(self.device, torch.float32)
+        flat = check_vector(x)[0].to(self.device)
         buf = buffers.use(key) if buffers else self._default(flat.numel(), key)
         rotated = buf.rht.forward(flat, out=buf.ws.rotated)
         return self.quantize_rotated(rotated, max_norm, flat.numel(), buf)
@@ -249,7 +256,7 @@ class THCWorker:
 
     def begin(self, grad: torch.Tensor, tensor: int, step: int) -> float:
         """Add error feedback, rotate, and return the norm to publish in the preliminary stage."""
-        flat = check_vector(grad)
+        flat, norm = check_vector(grad)
         key = SignKey.derive(self.job, tensor, step)
         st = self._tensors.get(tensor)
         if st is None or st.x.numel() != flat.numel():
@@ -259,8 +266,8 @@ class THCWorker:
         st.x.copy_(flat)
         if self.config.error_feedback and st.has_error:
             st.x.add_(st.error)
-        st.key, st.shape, st.dtype, st.encoded = key, grad.shape, grad.dtype, None
-        st.norm = float(torch.linalg.vector_norm(st.x))
+            norm = float(torch.linalg.vector_norm(st.x))
+        st.key, st.shape, st.dtype, st.encoded, st.norm = key, grad.shape, grad.dtype, None, norm
         self.codec.rotate(st.x, key, st.buffers)
         return st.norm
 
@@ -297,7 +304,7 @@ class THCWorker:
 def uniform_encode(x: torch.Tensor, low: float, high: float, bits: int,
                    uniforms: UniformSource) -> torch.Tensor:
     """Uniform THC (Algorithm 1): homomorphic USQ of x on [low, high] with 2^b levels (indices)."""
-    flat = check_vector(x)
+    flat = check_vector(x)[0]
     table = uniform_table(bits)
     y = to_grid(flat, low, high, table.granularity)
     return TableQuantizer(table, flat.device).quantize(y, uniforms.fill(torch.empty_like(y)))
@@ -306,7 +313,7 @@ def uniform_encode(x: torch.Tensor, low: float, high: float, bits: int,
 def table_encode(x: torch.Tensor, low: float, high: float, table: LookupTable,
                  uniforms: UniformSource) -> torch.Tensor:
     """Non-uniform THC (Algorithm 2): stochastic quantization of x on [low, high] onto the table."""
-    flat = check_vector(x)
+    flat = check_vector(x)[0]
     y = to_grid(flat, low, high, table.granularity)
     return TableQuantizer(table, flat.device).quantize(y, uniforms.fill(torch.empty_like(y)))
 

@@ -40,8 +40,11 @@ class UniformSource:
 class TableQuantizer:
     """Unbiased stochastic rounding of grid positions y in [0, g] to the table's values.
 
-    For every unit cell [c, c + 1) of the grid the table segment [T[j], T[j+1]] that contains it is
-    precomputed, so quantizing is a handful of gathers instead of a search over table values.
+    For every unit cell [c, c + 1) of the grid, the table segment [T[j], T[j+1]] containing it is
+    precomputed as an affine map y -> j + (y - T[j]) / (T[j+1] - T[j]), i.e. the segment index plus
+    the probability of rounding up. The index is then floor(j + frac + u) with u ~ U[0, 1): one
+    gather and a few elementwise passes instead of a search over table values. Float32 keeps
+    j + frac as precisely as y itself (j <= T[j] <= y), so no precision is lost on the way.
     """
 
     def __init__(self, table: LookupTable, device: torch.device | str = "cpu") -> None:
@@ -52,28 +55,27 @@ class TableQuantizer:
         seg = np.searchsorted(values, np.arange(g), side="right") - 1
         self.identity = g == table.size - 1
         self.values = torch.as_tensor(values.astype(np.int32), device=self.device)
-        self._seg = torch.as_tensor(seg.astype(np.uint8), device=self.device)
-        # (lower value, 1 / segment width) of each cell, gathered together as one 64-bit word
-        pair = np.stack([values[seg].astype(np.float32),
-                         (1.0 / (values[seg + 1] - values[seg])).astype(np.float32)], axis=1)
-        self._pair = torch.as_tensor(np.ascontiguousarray(pair).view(np.int64).ravel(), device=self.device)
+        slope = 1.0 / (values[seg + 1] - values[seg])
+        offset = seg - values[seg] * slope
+        # (slope, offset) of each cell, gathered together as one 64-bit word
+        pair = np.stack([slope.astype(np.float32), offset.astype(np.float32)], axis=1)
+        self._affine = torch.as_tensor(np.ascontiguousarray(pair).view(np.int64).ravel(), device=self.device)
 
     def quantize(self, y: torch.Tensor, uniforms: torch.Tensor, ws: Workspace | None = None) -> torch.Tensor:
         """Table indices (uint8) of y in [0, g]; E[T[index]] = y (up to float rounding).
 
         ``uniforms`` is consumed (overwritten). With a workspace the result is its ``indices`` buffer.
         """
-        g = self.table.granularity
+        g, top = self.table.granularity, self.table.size - 1
         ws = ws or Workspace(y.numel(), y.device, self.table.bits)
         if self.identity:
-            frac = torch.add(uniforms, y, out=ws.frac).floor_().clamp_(0, g)
-            return ws.indices.copy_(frac)
-        cell = ws.cell.copy_(y).clamp_(0, g - 1)  # float -> int truncates; y >= 0
-        pair = torch.index_select(self._pair, 0, cell, out=ws.pair).view(torch.float32).view(-1, 2)
-        frac = torch.sub(y, pair[:, 0], out=ws.frac).mul_(pair[:, 1])
-        up = torch.gt(frac, uniforms, out=ws.up)
-        idx = torch.index_select(self._seg, 0, cell, out=ws.indices)
-        return idx.add_(up.view(torch.uint8))
+            pos = uniforms.add_(y)
+        else:
+            cell = ws.cell.copy_(y).clamp_(0, g - 1)  # float -> int truncates; y >= 0
+            affine = torch.index_select(self._affine, 0, cell, out=ws.pair).view(torch.float32).view(-1, 2)
+            pos = torch.addcmul(affine[:, 1], y, affine[:, 0], out=ws.frac).add_(uniforms)
+        # float -> uint8 truncates, which is floor for the non-negative positions
+        return ws.indices.copy_(pos.clamp_(0, top))
 
 
 class Workspace:
@@ -93,7 +95,6 @@ class Workspace:
         self.frac = torch.empty(n, dtype=torch.float32, device=device)
         self.cell = torch.empty(n, dtype=torch.int32, device=device)
         self.pair = torch.empty(n, dtype=torch.int64, device=device)
-        self.up = torch.empty(n, dtype=torch.bool, device=device)
         self.indices = torch.empty(n, dtype=torch.uint8, device=device)
         self.packed = torch.empty(packed_size(n, bits), dtype=torch.uint8, device=device)
 
@@ -104,8 +105,8 @@ def to_grid(x: torch.Tensor, low: float, high: float, granularity: int,
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device) if out is None else out
     if not high > low:  # a zero range: every coordinate is the single point low == high
         return out.zero_()
-    out.copy_(x)
-    return out.sub_(low).mul_(granularity / (high - low)).clamp_(0, granularity)
+    scale = granularity / (high - low)
+    return torch.mul(x, scale, out=out).add_(-low * scale).clamp_(0, granularity)
 
 
 def from_grid(y_sum: torch.Tensor, count: int, low: float, high: float, granularity: int,

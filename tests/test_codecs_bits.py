@@ -1,0 +1,56 @@
+"""Wire helpers of worker_lib.codecs: fixed-width packing and float32 header fields."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worker_lib.codecs.bits import float_bytes, pack_bits, read_floats, unpack_bits, width_for
+from worker_lib.thc.quantize import pack_indices
+
+
+def reference_pack(values: list[int], width: int) -> bytes:
+    """Pure-Python MSB-first bit string, for comparison."""
+    bits = "".join(format(v, f"0{width}b") for v in values)
+    bits += "0" * (-len(bits) % 8)
+    return bytes(int(bits[i: i + 8], 2) for i in range(0, len(bits), 8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 32).flatmap(
+    lambda w: st.tuples(st.just(w), st.lists(st.integers(0, (1 << w) - 1), max_size=40))))
+def test_pack_matches_bit_string_and_round_trips(case: tuple[int, list[int]]) -> None:
+    width, values = case
+    packed = pack_bits(np.array(values, dtype=np.int64), width)
+    assert packed.tobytes() == reference_pack(values, width)
+    assert packed.size == math.ceil(len(values) * width / 8)
+    assert unpack_bits(packed, width, len(values)).tolist() == values
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 7, 8])
+def test_pack_agrees_with_thc_index_packing(bits: int) -> None:
+    z = torch.randint(0, 1 << bits, (64,), dtype=torch.uint8)
+    assert pack_bits(z.numpy(), bits).tobytes() == pack_indices(z, bits).numpy().tobytes()
+
+
+def test_width_for() -> None:
+    assert [width_for(v) for v in (0, 1, 2, 3, 4, 60, 240, 255, 256)] == [1, 1, 2, 2, 3, 6, 8, 8, 9]
+
+
+def test_pack_rejects_out_of_range() -> None:
+    with pytest.raises(ValueError, match="outside"):
+        pack_bits(np.array([4]), 2)
+    with pytest.raises(ValueError, match="width"):
+        pack_bits(np.array([1]), 33)
+    with pytest.raises(ValueError, match="cannot hold"):
+        unpack_bits(np.zeros(1, dtype=np.uint8), 3, 3)
+
+
+def test_float_header_is_big_endian_ieee() -> None:
+    assert float_bytes(1.0, -2.0).tobytes() == bytes([0x3F, 0x80, 0, 0, 0xC0, 0, 0, 0])
+    assert read_floats(float_bytes(0.5, 3.25), 2) == [0.5, 3.25]

@@ -1,0 +1,151 @@
+"""Wire format: one layout, rendered identically by scapy, numpy and docs/protocol.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scapy.layers.inet import IP, UDP
+
+from worker_lib.thc import pack_indices, unpack_indices
+from worker_lib.wire import (
+    FIELDS,
+    HEADER_BYTES,
+    THC_UDP_PORT,
+    PacketType,
+    bits_float,
+    build_batch,
+    build_packet,
+    decode_sums,
+    encode_sums,
+    float_bits,
+    header_view,
+    pack_indices_np,
+    parse_packet,
+    serial_newer,
+    unpack_indices_np,
+)
+from worker_lib.wire.layout import field_offsets
+from worker_lib.wire.scapy_layer import THC
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
+
+header_values = st.fixed_dictionaries({f.name: st.integers(0, (1 << f.bits) - 1) for f in FIELDS})
+
+
+def test_doc_table_matches_layout() -> None:
+    """docs/protocol.md lists exactly the layout's fields, offsets and widths, in order."""
+    section = DOC.read_text().split("\n## Header\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    parsed = []
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 4 and cells[0].isdigit():
+            parsed.append((int(cells[0]), cells[1].strip("`"), int(cells[2]), cells[3]))
+    offs = field_offsets()
+    assert parsed == [(offs[f.name], f.name, f.bits, f.meaning) for f in FIELDS]
+
+
+def test_layout_is_switch_friendly() -> None:
+    """Every field is byte-aligned 8/16/32 bits and the header is a whole number of 32-bit words."""
+    assert all(f.bits in (8, 16, 32) for f in FIELDS)
+    assert HEADER_BYTES == sum(f.bits for f in FIELDS) // 8 and HEADER_BYTES % 4 == 0
+    offs = field_offsets()
+    for f in FIELDS:  # natural alignment: a field never straddles its own width
+        assert offs[f.name] % (f.bits // 8) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(header_values, st.binary(max_size=64))
+def test_scapy_and_numpy_produce_same_bytes(fields: dict, payload: bytes) -> None:
+    """The scapy layer and the numpy serializer build the same bytes, and both parse them back."""
+    via_numpy = build_packet(payload, **fields)
+    via_scapy = bytes(THC(**fields) / payload) if payload else bytes(THC(**fields))
+    assert via_numpy == via_scapy
+    hdr, pay = parse_packet(via_scapy)
+    assert hdr == fields and pay == payload
+    back = THC(via_numpy)
+    assert {f.name: back.getfieldval(f.name) for f in FIELDS} == fields
+    assert bytes(back.payload) == payload
+
+
+def test_big_endian_and_offsets() -> None:
+    """Fields sit at their documented offsets, most significant byte first."""
+    pkt = build_packet(job=0x0102, key=0x03040506, slot=0x0708, bitmap=0x090A0B0C)
+    offs = field_offsets()
+    assert pkt[offs["job"]:offs["job"] + 2] == b"\x01\x02"
+    assert pkt[offs["key"]:offs["key"] + 4] == b"\x03\x04\x05\x06"
+    assert pkt[offs["slot"]:offs["slot"] + 2] == b"\x07\x08"
+    assert pkt[offs["bitmap"]:offs["bitmap"] + 4] == b"\x09\x0a\x0b\x0c"
+
+
+def test_scapy_bound_to_udp_port() -> None:
+    """A UDP datagram to the THC port dissects as THC (ls/show work on it)."""
+    wire = bytes(IP(dst="127.0.0.1") / UDP(sport=40000, dport=THC_UDP_PORT) / THC(type=PacketType.NORM, job=9))
+    pkt = IP(wire)
+    assert pkt.haslayer(THC) and pkt[THC].job == 9 and pkt[THC].type == PacketType.NORM
+    assert "NORM" in pkt[THC].show(dump=True)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_numpy_packing_matches_thc_pack_indices(bits: int) -> None:
+    """The numpy packer is byte-identical to worker_lib.thc.pack_indices (MSB first) and inverts."""
+    rng = np.random.default_rng(bits)
+    for count in (8, 24, 1000):
+        idx = rng.integers(0, 1 << bits, count).astype(np.uint8)
+        ours = pack_indices_np(idx, bits)
+        theirs = pack_indices(torch.from_numpy(idx), bits).numpy()
+        assert ours.tobytes() == theirs.tobytes()
+        assert np.array_equal(unpack_indices_np(ours, bits, count), idx)
+        assert np.array_equal(unpack_indices(torch.from_numpy(ours), bits, count).numpy(), idx)
+
+
+def test_msb_first_explicit() -> None:
+    """Index 0 sits in the top bits of byte 0 (hand-written bytes)."""
+    assert pack_indices_np(np.array([1, 2, 3, 4, 5, 6, 7, 8]), 4).tobytes() == bytes([0x12, 0x34, 0x56, 0x78])
+    assert pack_indices_np(np.array([1, 0, 1, 1, 0, 0, 0, 1]), 1).tobytes() == bytes([0b10110001])
+    assert pack_indices_np(np.array([3, 0, 2, 1, 0, 0, 0, 0]), 2).tobytes() == bytes([0b11001001, 0])
+
+
+def test_batch_serializer_rows_equal_single_packets() -> None:
+    """build_batch rows equal build_packet bytes; header_view reads them back without copying."""
+    rng = np.random.default_rng(1)
+    payloads = rng.integers(0, 256, (5, 16), dtype=np.uint8)
+    cols = {"type": np.full(5, 1), "job": np.arange(5), "slot": np.arange(5) * 3, "round": np.arange(5) + 65530,
+            "key": np.full(5, 0xDEADBEEF), "elems": np.full(5, 32), "width": np.full(5, 4)}
+    batch = build_batch(cols, payloads)
+    for i in range(5):
+        single = build_packet(payloads[i].tobytes(), **{k: int(v[i]) for k, v in cols.items()})
+        assert batch[i].tobytes() == single
+    hv = header_view(batch)
+    assert hv["round"].tolist() == [65530, 65531, 65532, 65533, 65534]
+    assert np.shares_memory(hv, batch)
+
+
+def test_sums_and_norm_round_trip() -> None:
+    """Result payloads carry sums at 8/16/32 bits big-endian; a too-big sum is refused."""
+    sums = np.array([0, 1, 255, 17])
+    assert encode_sums(sums, 8) == bytes([0, 1, 255, 17])
+    assert encode_sums(sums, 16) == bytes([0, 0, 0, 1, 0, 255, 0, 17])
+    assert decode_sums(encode_sums(sums, 32), 32, 4).tolist() == sums.tolist()
+    with pytest.raises(ValueError, match="does not fit"):
+        encode_sums(np.array([256]), 8)
+    assert decode_sums(encode_sums(np.array([-5, 7]), 32), 32, 2, signed=True).tolist() == [-5, 7]
+    assert float_bits(1.0) == 0x3F800000 and bits_float(0x40100000) == 2.25
+
+
+def test_serial_arithmetic() -> None:
+    """RFC 1982 on 16 bits: wraparound is newer, half-way is neither."""
+    assert serial_newer(1, 0) and serial_newer(0, 65535) and serial_newer(100, 65000)
+    assert not serial_newer(0, 0) and not serial_newer(65535, 0) and not serial_newer(5, 6)
+    assert not serial_newer(32768, 0) and not serial_newer(0, 32768)
+    assert serial_newer(32767, 0)
+
+
+def test_parse_short_packet_raises() -> None:
+    with pytest.raises(ValueError, match="shorter than the 32-byte header"):
+        parse_packet(b"\x01\x02")
