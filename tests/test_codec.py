@@ -1,5 +1,6 @@
 """THC end to end in one process: homomorphism, unbiasedness, partial aggregation, error feedback."""
 
+import itertools
 import math
 
 import pytest
@@ -62,7 +63,7 @@ def test_unbiased_with_respect_to_the_clamped_rotation():
     # a rotated coordinate's rounding variance is at most w^2 / 4, w the widest table segment; each
     # output coordinate of the orthonormal inverse averages those independent variances
     values = codec.table.values
-    widest = max(b - a for a, b in zip(values, values[1:], strict=False)) * 2 * big_m / config.granularity
+    widest = max(b - a for a, b in itertools.pairwise(values)) * 2 * big_m / config.granularity
     sigma = widest / 2 / math.sqrt(trials)
     assert float((acc / trials - target).abs().max()) < 6 * sigma
     assert float((target - x).norm()) > 0.01 * float(x.norm())  # the test does exercise clamping

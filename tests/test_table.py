@@ -10,7 +10,13 @@ import pytest
 from scipy import integrate
 from scipy.stats import norm
 
-from worker_lib.thc.table import LookupTable, solve_table, table_objective, truncation_threshold, uniform_table
+from worker_lib.thc.table import (
+    LookupTable,
+    solve_table,
+    table_objective,
+    truncation_threshold,
+    uniform_table,
+)
 
 
 def objective_by_quadrature(values, g, p):
