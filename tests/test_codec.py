@@ -155,8 +155,6 @@ def test_clear_errors():
     with pytest.raises(RuntimeError, match="begin"):
         w.compress(5, 1.0)
     n = w.begin(torch.ones(8), 0, 0)
-    with pytest.raises(ValueError, match="below this worker's norm"):
-        w.compress(0, n / 2)
     with pytest.raises(ValueError, match="finite and non-negative"):
         w.compress(0, -1.0)
     with pytest.raises(RuntimeError, match="compress"):
@@ -169,6 +167,10 @@ def test_clear_errors():
         w.finish(0, sums + 1000, 1)
     with pytest.raises(ValueError, match="expected 8 sums"):
         w.finish(0, sums[:4], 1)
+    with pytest.raises(ValueError, match="must be positive"):
+        w.finish(0, sums, torch.zeros(8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="lost mask"):
+        w.finish(0, sums, 1, lost=torch.zeros(3, dtype=torch.bool))
     with pytest.raises(ValueError, match="granularity"):
         THCConfig(bits=4, granularity=10)
     with pytest.raises(ValueError, match="p must lie"):
@@ -192,3 +194,28 @@ def test_uniform_and_table_algorithms_are_homomorphic():
     idx2 = table_encode(xs[0], low, high, table2, src)
     est = table_decode(torch.tensor(table2.values)[idx2.long()], 1, low, high, table2)
     assert float((est - xs[0]).abs().max()) <= (high - low) / 9 * 4 + 1e-5  # within the widest segment
+
+
+def test_per_chunk_counts_and_zero_fill():
+    """Chunks may complete with different counts; lost chunks are zero in the rotated domain."""
+    d, key, n = 64, SignKey.derive(4, 0, 0), 3
+    config = THCConfig(error_feedback=False)
+    xs = [torch.randn(d) for _ in range(n)]
+    codecs, encs = run_round(xs, config, key, range(n))
+    c = codecs[0]
+    first = c.aggregate([e.indices[:32] for e in encs])  # chunk 0: all three workers
+    second = c.aggregate([e.indices[32:] for e in encs[:2]])  # chunk 1: two of them
+    sums = torch.cat([first, second])
+    counts = torch.tensor([3] * 32 + [2] * 32)
+    est = c.rotated_estimate(sums, counts, encs[0].scale)
+    whole3 = c.rotated_estimate(c.aggregate([e.indices for e in encs]), 3, encs[0].scale)
+    whole2 = c.rotated_estimate(c.aggregate([e.indices for e in encs[:2]]), 2, encs[0].scale)
+    assert torch.allclose(est[:32], whole3[:32], atol=1e-6) and torch.allclose(est[32:], whole2[32:], atol=1e-6)
+    lost = torch.zeros(d, dtype=torch.bool)
+    lost[32:] = True
+    filled = c.rotated_estimate(sums, counts, encs[0].scale, lost=lost)
+    assert torch.equal(filled[32:], torch.zeros(32)) and torch.allclose(filled[:32], whole3[:32], atol=1e-6)
+    # the full decode is the inverse RHT of exactly that zero-filled rotated estimate
+    rht = RandomizedHadamard(d, key)
+    dec = c.decode(sums, counts, encs[0].scale, d, key, lost=lost)
+    assert torch.allclose(dec, rht.inverse(filled.clone()), atol=1e-5)

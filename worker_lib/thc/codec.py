@@ -176,28 +176,54 @@ class THCCodec:
         stacked = np.stack([np.asarray(i.cpu() if isinstance(i, torch.Tensor) else i) for i in indices])
         return torch.from_numpy(lookup_sum(self.table.as_array(), stacked))
 
-    def rotated_estimate(self, sums: torch.Tensor, count: int, scale: float,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
-        """m + (sums / count)(M - m) / g in the rotated domain."""
-        if count < 1:
-            raise ValueError(f"the contributor count must be positive, got {count}")
-        g = self.table.granularity
-        if sums.numel() and (int(sums.min()) < 0 or int(sums.max()) > g * count):
-            raise ValueError(f"sums outside [0, g * count] = [0, {g * count}]: wrong count or corrupt data")
-        return from_grid(sums.to(self.device), count, -scale, scale, g, out=out)
+    def rotated_estimate(self, sums: torch.Tensor, count: int | torch.Tensor, scale: float,
+                         out: torch.Tensor | None = None, lost: torch.Tensor | None = None) -> torch.Tensor:
+        """m + (sums / count)(M - m) / g in the rotated domain.
 
-    def decode(self, sums: torch.Tensor, count: int, scale: float, length: int, key: SignKey,
-               buffers: TensorBuffers | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        ``count`` is the number of contributors: one for all coordinates, or one per coordinate when
+        chunks completed with different counts. Coordinates flagged in ``lost`` (chunks whose result
+        never arrived) are taken as zero in the rotated domain: the zero-fill policy.
+        """
+        g = self.table.granularity
+        sums = sums.to(self.device)
+        lost = None if lost is None else lost.to(self.device, torch.bool).reshape(-1)
+        if lost is not None and lost.numel() != sums.numel():
+            raise ValueError(f"the lost mask has {lost.numel()} entries for {sums.numel()} sums")
+        if isinstance(count, torch.Tensor):
+            counts = count.to(self.device, torch.int64).reshape(-1)
+            if counts.numel() != sums.numel():
+                raise ValueError(f"{counts.numel()} contributor counts for {sums.numel()} sums")
+            live = counts if lost is None else counts[~lost]
+            if live.numel() and int(live.min()) < 1:
+                raise ValueError("every contributor count must be positive (mark missing chunks as lost)")
+            counts = counts.clamp(min=1)
+            if sums.numel() and (int(sums.min()) < 0 or bool((sums > g * counts).any())):
+                raise ValueError("sums outside [0, g * count]: wrong counts or corrupt data")
+            est = from_grid(sums.to(torch.float64) / counts, 1, -scale, scale, g, out=out)
+        else:
+            if count < 1:
+                raise ValueError(f"the contributor count must be positive, got {count}")
+            if sums.numel() and (int(sums.min()) < 0 or int(sums.max()) > g * count):
+                raise ValueError(f"sums outside [0, g * count] = [0, {g * count}]: wrong count or corrupt data")
+            est = from_grid(sums, count, -scale, scale, g, out=out)
+        if lost is not None:
+            est.masked_fill_(lost, 0.0)
+        return est
+
+    def decode(self, sums: torch.Tensor, count: int | torch.Tensor, scale: float, length: int, key: SignKey,
+               buffers: TensorBuffers | None = None, out: torch.Tensor | None = None,
+               lost: torch.Tensor | None = None) -> torch.Tensor:
         """The average estimate (length d) from the integer sums of `count` workers.
 
-        The result is a new tensor unless ``out`` (length d, float32) is given.
+        ``count`` and ``lost`` are as for ``rotated_estimate``. The result is a new tensor unless
+        ``out`` (length d, float32) is given.
         """
         buf = buffers.use(key) if buffers else self._default(length, key)
         if buf.rht.d != length:
             raise ValueError(f"buffers are for length {buf.rht.d}, not {length}")
         if sums.numel() != buf.rht.padded:
             raise ValueError(f"expected {buf.rht.padded} sums, got {sums.numel()}")
-        est = self.rotated_estimate(sums.reshape(-1), count, scale, out=buf.ws.rotated)
+        est = self.rotated_estimate(sums.reshape(-1), count, scale, out=buf.ws.rotated, lost=lost)
         back = buf.rht.inverse(est, out=est)
         return back.clone() if out is None else out.copy_(back)
 
@@ -272,19 +298,28 @@ class THCWorker:
         return st.norm
 
     def compress(self, tensor: int, max_norm: float) -> Encoded:
-        """Quantize with the job's max norm (which must be >= this worker's own norm)."""
+        """Quantize with the job's max norm.
+
+        The max norm is normally at least this worker's own; under a partial completion threshold a
+        straggler's may exceed it, and clamping (with error feedback) absorbs the difference.
+        """
         st = self._require(tensor)
-        if check_norm(max_norm, "max_norm") < st.norm * (1 - 1e-6):
-            raise ValueError(f"max_norm {max_norm} is below this worker's norm {st.norm}")
+        check_norm(max_norm, "max_norm")
         st.encoded = self.codec.quantize_rotated(st.buffers.ws.rotated, max_norm, st.x.numel(), st.buffers)
         return st.encoded
 
-    def finish(self, tensor: int, sums: torch.Tensor, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode the average from integer sums and update this worker's error feedback."""
+    def finish(self, tensor: int, sums: torch.Tensor, count: int | torch.Tensor,
+               out: torch.Tensor | None = None, lost: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode the average from integer sums and update this worker's error feedback.
+
+        ``count`` is the contributor count (or one per padded coordinate); ``lost`` flags padded
+        coordinates whose result never came (taken as zero in the rotated domain). Error feedback
+        keeps the paper's definition, x - RHT^-1(X_i), whatever the network lost.
+        """
         st = self._require(tensor)
         if st.encoded is None:
             raise RuntimeError(f"tensor {tensor}: compress() must come before finish()")
-        avg = self.codec.decode(sums, count, st.encoded.scale, st.x.numel(), st.key, st.buffers)
+        avg = self.codec.decode(sums, count, st.encoded.scale, st.x.numel(), st.key, st.buffers, lost=lost)
         if self.config.error_feedback:
             ws = st.buffers.ws
             own = self.codec.own_values(st.encoded, out=ws.rotated)
