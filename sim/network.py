@@ -1,0 +1,178 @@
+"""Workers and the reference aggregator connected in process, packet by packet, with seeded loss.
+
+This is the network of the simulations: every worker's norm and chunks become real THC packets
+(``worker_lib.wire``), go through ``aggregator.state.Aggregator`` (the state machine that
+``thc-aggregator`` serves and the P4 programs are held to), and the packets it emits come back.
+Uses of the slot pool follow docs/protocol.md: use u takes slot u mod S with round (u div S) mod 2^16,
+the norm stage of a tensor is one use and each chunk of K indices another.
+
+Loss follows the transport's ``zero-fill`` policy without retransmission (the paper's methodology:
+a packet is dropped with a fixed probability): an upstream DATA packet that is lost never reaches
+the aggregator, so under a full threshold its chunk never completes and every worker takes it as
+zero in the rotated domain, while under a partial threshold the chunk may complete without it; a
+RESULT lost on its way to one worker makes that worker alone zero-fill the chunk. The norm stage is
+always retransmitted by the transport (it is a barrier), so it is modelled as lossless.
+
+Stragglers send after everyone else ("late"): under a partial threshold the aggregator has completed
+without them and answers with the retained result, which is what a late worker of a real run gets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from aggregator.jobs import JobConfig
+from aggregator.state import Aggregator
+from worker_lib.wire.layout import HEADER_BYTES, ROUND_BITS, PacketType
+from worker_lib.wire.serializer import (
+    bits_float,
+    build_batch,
+    decode_sums,
+    float_bits,
+    header_view,
+    pack_indices_np,
+)
+
+
+@dataclass(frozen=True)
+class LinkLoss:
+    """Independent drop probabilities of worker->aggregator and aggregator->worker packets."""
+
+    up: float = 0.0
+    down: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name, p in (("up", self.up), ("down", self.down)):
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"drop probability {name} must lie in [0, 1), got {p}")
+
+
+@dataclass
+class ChunkResults:
+    """What each worker received for one tensor: sums, contributor counts, and what it lost."""
+
+    sums: np.ndarray  # (workers, chunks, K) int64, 0 where lost
+    contributors: np.ndarray  # (workers, chunks) int64, 0 where lost
+    lost: np.ndarray  # (workers, chunks) bool
+
+
+@dataclass
+class NetworkStats:
+    """Counters of one simulated run."""
+
+    packets_up: int = 0
+    dropped_up: int = 0
+    packets_down: int = 0
+    dropped_down: int = 0
+    lost_chunks: int = 0  # (worker, chunk) pairs taken as zero
+    contributors: list[int] = field(default_factory=list)  # of every completed chunk
+
+
+class SimulatedNetwork:
+    """n workers of one job and an in-process reference aggregator."""
+
+    def __init__(self, job: JobConfig, loss: LinkLoss, seed: int) -> None:
+        self.job = job
+        self.loss = loss
+        self.aggregator = Aggregator([job], max_batch=max(64, 2 * job.workers + 2))
+        self.rng = np.random.default_rng(seed)
+        self.uses = 0
+        self.stats = NetworkStats()
+
+    def _next_use(self) -> tuple[int, int]:
+        u = self.uses
+        self.uses += 1
+        return u % self.job.slots, (u // self.job.slots) % (1 << ROUND_BITS)
+
+    def _run(self, rows: np.ndarray, senders: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Feed packets through the aggregator; return (header, payload) of every packet delivered to
+        each worker, after downstream loss."""
+        inbox: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(self.job.workers)]
+        stride = self.aggregator.stride
+        buf = np.zeros((len(rows), stride), np.uint8)
+        buf[:, : rows.shape[1]] = rows
+        out = self.aggregator.process(buf, np.full(len(rows), rows.shape[1]))
+        heads = header_view(out.buf[: out.count]) if out.count else []
+        for m in range(out.count):
+            targets = range(self.job.workers) if out.fanout[m] else [int(senders[out.src[m]])]
+            head, payload = heads[m].copy(), out.buf[m, HEADER_BYTES: out.length[m]].copy()
+            for w in targets:
+                self.stats.packets_down += 1
+                if self.loss.down and self.rng.random() < self.loss.down:
+                    self.stats.dropped_down += 1
+                    continue
+                inbox[w].append((head, payload))
+        return inbox
+
+    def _order(self, late: np.ndarray) -> np.ndarray:
+        """Send order of one use: on-time workers shuffled, then the late ones."""
+        on_time = np.flatnonzero(~late)
+        return np.concatenate([self.rng.permutation(on_time), np.flatnonzero(late)])
+
+    def norm_stage(self, norms: np.ndarray, late: np.ndarray, tensor: int = 0) -> np.ndarray:
+        """Max of the norms as each worker learns it (reliable: retransmitted until it completes)."""
+        slot, rnd = self._next_use()
+        order = self._order(late)
+        job = self.job
+        heads = {"type": PacketType.NORM, "job": job.job, "key": job.key, "table_id": job.table_id,
+                 "worker": order, "slot": slot, "round": rnd, "tensor": tensor, "chunk": 0, "elems": 1,
+                 "width": 32}
+        payload = np.array([float_bits(float(norms[w])) for w in order], dtype=">u4").view(np.uint8)
+        rows = build_batch(heads, payload.reshape(len(order), 4))
+        self.stats.packets_up += len(order)
+        inbox = self._run_lossless(rows, order)
+        result = np.zeros(job.workers)
+        for w in range(job.workers):
+            norm_results = [p for h, p in inbox[w] if h["type"] == PacketType.NORM_RESULT]
+            if not norm_results:
+                raise RuntimeError(f"worker {w} got no norm result: the job's threshold was not reached")
+            result[w] = bits_float(int(np.frombuffer(norm_results[0][:4].tobytes(), ">u4")[0]))
+        return result
+
+    def _run_lossless(self, rows: np.ndarray, senders: np.ndarray) -> list[list[tuple]]:
+        """Run packets with no loss in either direction (the norm barrier)."""
+        saved, self.loss = self.loss, LinkLoss()
+        try:
+            return self._run(rows, senders)
+        finally:
+            self.loss = saved
+
+    def data_stage(self, indices: np.ndarray, late: np.ndarray, tensor: int = 0) -> ChunkResults:
+        """Send each worker's (padded-length) indices chunk by chunk; collect what comes back."""
+        job = self.job
+        n, length = indices.shape
+        k = job.elems
+        if length % k:
+            raise ValueError(f"a tensor of {length} indices is not a whole number of {k}-index chunks")
+        chunks = length // k
+        packed = pack_indices_np(indices.reshape(n * chunks, k), job.bits).reshape(n, chunks, -1)
+        res = ChunkResults(np.zeros((n, chunks, k), np.int64), np.zeros((n, chunks), np.int64),
+                           np.ones((n, chunks), bool))
+        for c in range(chunks):
+            slot, rnd = self._next_use()
+            order = self._order(late)
+            self.stats.packets_up += len(order)
+            if self.loss.up:
+                kept = self.rng.random(len(order)) >= self.loss.up
+                self.stats.dropped_up += int((~kept).sum())
+                order = order[kept]
+            if order.size == 0:
+                continue
+            heads = {"type": PacketType.DATA, "job": job.job, "key": job.key, "table_id": job.table_id,
+                     "worker": order, "slot": slot, "round": rnd, "tensor": tensor, "chunk": c, "elems": k,
+                     "width": job.bits}
+            inbox = self._run(build_batch(heads, packed[order, c]), order)
+            for w in range(n):
+                for h, payload in inbox[w]:
+                    if h["type"] != PacketType.RESULT or not res.lost[w, c]:
+                        continue
+                    res.sums[w, c] = decode_sums(payload, job.result_bits, k)
+                    res.contributors[w, c] = int(h["contributors"])
+                    res.lost[w, c] = False
+            done = res.contributors[:, c]
+            if done.any():
+                self.stats.contributors.append(int(done.max()))
+        self.stats.lost_chunks += int(res.lost.sum())
+        return res

@@ -1,0 +1,66 @@
+"""Plots of the experiments, one PNG each, in the style of the THC paper's figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from sim.experiments import Labelled  # noqa: E402
+
+WINDOW = 5  # the paper plots accuracy with a sliding window of 5
+
+
+def smooth(values: list[float], window: int = WINDOW) -> np.ndarray:
+    """Trailing sliding-window mean (shorter at the start)."""
+    v = np.asarray(values, dtype=float)
+    c = np.cumsum(np.insert(v, 0, 0.0))
+    idx = np.arange(1, len(v) + 1)
+    lo = np.maximum(0, idx - window)
+    return (c[idx] - c[lo]) / (idx - lo)
+
+
+def plot_training(name: str, runs: list[Labelled], title: str, path: Path, note: str = "") -> Path:
+    """Test accuracy of worker 0 vs update steps, one panel per group."""
+    groups = list(dict.fromkeys(r.group for r in runs))
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.2 * len(groups), 4.2), squeeze=False)
+    for ax, group in zip(axes[0], groups, strict=True):
+        for r in (r for r in runs if r.group == group):
+            steps = [rec["step"] for rec in r.result.records]
+            acc = smooth([rec["accuracy"] for rec in r.result.records])
+            style = "--" if r.result.config.compression == "none" else "-"
+            ax.plot(steps, acc, style, label=r.label, linewidth=1.6)
+        ax.set_title(group)
+        ax.set_xlabel("update steps")
+        ax.set_ylabel(f"test accuracy (sliding window of {WINDOW})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(title + (f"\n{note}" if note else ""), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_nmse(rows: list[dict], path: Path) -> Path:
+    """NMSE vs granularity and vs workers, one line per bit budget (Appendix C.1, Figure 10)."""
+    fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.2))
+    for ax, panel, xkey, xlabel in ((axes[0], "granularity", "granularity", "granularity g (10 workers, p = 1/1024)"),
+                                    (axes[1], "workers", "workers", "workers n (g = 36/36/38, p = 1/32)")):
+        for bits in (2, 3, 4):
+            pts = [r for r in rows if r["panel"] == panel and r["bits"] == bits]
+            ax.plot([r[xkey] for r in pts], [r["nmse"] for r in pts], "o-", label=f"{bits} bits")
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("NMSE of one THC round")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
+    fig.suptitle("THC NMSE on a LogNormal(0,1) gradient (THC paper, Appendix C.1)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
