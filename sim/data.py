@@ -59,7 +59,7 @@ def load_dataset(name: str, seed: int = 0, test_fraction: float = 0.2) -> Datase
     order = np.random.default_rng(seed).permutation(len(y))
     x = torch.as_tensor(x[order], dtype=torch.float32).reshape(-1, 1, side, side)
     y = torch.as_tensor(y[order], dtype=torch.int64)
-    n_test = int(round(len(y) * test_fraction))
+    n_test = round(len(y) * test_fraction)
     return Dataset(name, x[n_test:], y[n_test:], x[:n_test], y[:n_test])
 
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from sim.experiments import Labelled  # noqa: E402
+from sim.experiments import Labelled
 
 WINDOW = 5  # the paper plots accuracy with a sliding window of 5
 
