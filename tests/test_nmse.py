@@ -1,13 +1,12 @@
 """The NMSE experiment (THC paper, Appendix C.1) and `thc-bench nmse`."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from scipy.stats import norm
 
+from worker_lib.cli import bench_cli
 from worker_lib.thc.nmse import NMSESetting, mean_nmse, nmse_trials
 from worker_lib.thc.table import solve_table
 
@@ -28,16 +27,15 @@ def test_nmse_is_reproducible_and_single_worker_matches_direct_error():
     assert np.all((a > 0) & (a < 1))
 
 
-def test_cli_json():
-    out = subprocess.run([sys.executable, "-m", "worker_lib.cli.bench_cli", "nmse", "--bits", "2",
-                          "--granularity", "36", "--workers", "2", "--dim", "4096", "--trials", "2",
-                          "--json"], capture_output=True, text=True, check=True)
-    data = json.loads(out.stdout)
+def test_cli_json(capsys):
+    assert bench_cli.main(["nmse", "--bits", "2", "--granularity", "36", "--workers", "2", "--dim", "4096",
+                           "--trials", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
     expected = mean_nmse(NMSESetting(bits=2, granularity=36, workers=2, dim=4096, trials=2))
     assert abs(data["nmse"] - expected) < 1e-12
-    bad = subprocess.run([sys.executable, "-m", "worker_lib.cli.bench_cli", "nmse", "--bits", "4",
-                          "--granularity", "2"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "granularity" in bad.stderr and "Traceback" not in bad.stderr
+    assert bench_cli.main(["nmse", "--bits", "4", "--granularity", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "granularity" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("bits,g,workers", [(2, 36, 1), (3, 36, 4), (4, 38, 10), (4, 20, 2)])

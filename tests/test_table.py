@@ -10,6 +10,7 @@ import pytest
 from scipy import integrate
 from scipy.stats import norm
 
+from worker_lib.cli import table_cli
 from worker_lib.thc.table import (
     LookupTable,
     solve_table,
@@ -93,12 +94,17 @@ def test_lookup_table_validation_and_id():
     assert a.table_id() != b.table_id() and 0 <= a.table_id() < 1 << 16
 
 
-def test_cli_json_and_errors():
-    out = subprocess.run([sys.executable, "-m", "worker_lib.cli.table_cli", "--bits", "3", "--granularity",
-                          "11", "--p", "1/512", "--json"], capture_output=True, text=True, check=True)
-    data = json.loads(out.stdout)
+def test_cli_json_and_errors(capsys):
+    assert table_cli.main(["--bits", "3", "--granularity", "11", "--p", "1/512", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
     assert math.isclose(data["objective"], brute_force(3, 11, 1 / 512), rel_tol=1e-8)
     assert data["table"][0] == 0 and data["table"][-1] == 11
-    bad = subprocess.run([sys.executable, "-m", "worker_lib.cli.table_cli", "--bits", "4", "--granularity",
-                          "3", "--p", "0.1"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "granularity must be" in bad.stderr and "Traceback" not in bad.stderr
+    assert table_cli.main(["--bits", "4", "--granularity", "3", "--p", "0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "granularity must be" in err and "Traceback" not in err
+
+
+def test_cli_entry_point_runs():
+    out = subprocess.run([sys.executable, "-m", "worker_lib.cli.table_cli", "--bits", "2", "--granularity", "3",
+                          "--p", "0.5"], capture_output=True, text=True, check=True)
+    assert "[0, 1, 2, 3]" in out.stdout
