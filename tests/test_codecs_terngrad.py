@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker_lib.codecs import CodecKind, RoundContext, TernGrad, TernGradConfig
+from worker_lib.codecs import CodecKind, Message, RoundContext, TernGrad, TernGradConfig
 
 
 def structured_gradient() -> tuple[np.ndarray, list[float]]:
@@ -91,6 +91,8 @@ def test_integer_aggregation_is_the_sum_of_levels() -> None:
     torch.testing.assert_close(est, singles, rtol=1e-5, atol=1e-6)
     sums = codec.aggregate_integers(msgs, ctx)
     assert sums.min() >= 0 and sums.max() <= 2 * n
+    levels = [np.rint(codec.decode_one(m, ctx).double().numpy() / ctx.shared) for m in msgs]
+    np.testing.assert_array_equal(sums, sum(lv + 1 for lv in levels))
 
 
 def test_zero_gradient() -> None:
@@ -103,3 +105,31 @@ def test_zero_gradient() -> None:
 def test_bad_clip(clip: object) -> None:
     with pytest.raises(ValueError, match="clip"):
         TernGradConfig(clip=clip)  # type: ignore[arg-type]
+
+
+def test_clipping_uses_population_standard_deviation() -> None:
+    x = np.array([0.1, -0.2, 0.3, 0.0, -0.1, 0.2, -0.3, 5.0], dtype=np.float32)
+    bound = 2.5 * float(np.std(x.astype(np.float64)))  # ddof = 0: 1.68..., the outlier 5.0 is cut
+    assert bound < 5.0
+    codec = TernGrad()
+    assert codec.prelim(torch.from_numpy(x)) == pytest.approx(bound, rel=1e-6)
+    clipped = codec.clipped(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(clipped, np.clip(x, -bound, bound), rtol=1e-6)
+
+
+def test_invalid_two_bit_index_refused() -> None:
+    codec = TernGrad()
+    ctx = RoundContext(length=4, shared=1.0)
+    bad = Message(np.array([0b11000000], dtype=np.uint8), 8)  # index 3 is not a level
+    with pytest.raises(ValueError, match="outside the table"):
+        codec.decode_one(bad, ctx)
+    with pytest.raises(ValueError, match="outside the table"):
+        codec.aggregate([bad], ctx)
+
+
+def test_constant_tensor_is_not_clipped_to_zero() -> None:
+    codec = TernGrad(seed=6)
+    x = torch.full((1000,), -0.5)
+    est, ctx, _ = run_round(codec, [x, x])
+    assert ctx.shared == 0.5
+    torch.testing.assert_close(est, x)  # |g| / s = 1: every level is exactly -1

@@ -121,3 +121,21 @@ def test_corrupt_stream_is_refused() -> None:
     msg = codec.encode(torch.randn(100), ctx)
     with pytest.raises(ValueError):
         codec.decode_one(Message(msg.payload[:-1].copy(), msg.bits - 8), ctx)
+
+
+def test_server_error_accumulation_on_the_downlink() -> None:
+    """The pull direction keeps its own buffer: what workers receive plus its residual is the average."""
+    d, n = 400, 3
+    codec = ThreeLC()
+    rng = np.random.default_rng(4)
+    worker_states = [CodecState() for _ in range(n)]
+    server = CodecState()
+    ctx = RoundContext(length=d, workers=n)
+    received = np.zeros(d)
+    pushed = np.zeros(d)
+    for _ in range(5):
+        xs = [torch.from_numpy(rng.standard_normal(d).astype(np.float32)) for _ in range(n)]
+        ups = [codec.encode(x, ctx, s) for x, s in zip(xs, worker_states, strict=True)]
+        pushed += np.mean([codec.decode_one(m, ctx).double().numpy() for m in ups], axis=0)
+        received += codec.decode_result(codec.aggregate(ups, ctx, server), ctx).double().numpy()
+    np.testing.assert_allclose(received + server.error.double().numpy(), pushed, atol=1e-4)

@@ -28,7 +28,7 @@ from worker_lib.codecs.topk import TopK, TopKConfig
 from worker_lib.thc.codec import THCConfig
 
 _FACTORIES: dict[str, Callable[..., Codec]] = {
-    "thc": lambda **kw: THC(THCConfig(error_feedback=False), **kw),
+    "thc": lambda **kw: THC(THCConfig(), **kw),
     "terngrad": lambda **kw: TernGrad(TernGradConfig(), **kw),
     "terngrad-noclip": lambda **kw: TernGrad(TernGradConfig(clip=None), **kw),
     "topk10": lambda **kw: TopK(TopKConfig(percent=10.0), **kw),

@@ -45,8 +45,7 @@ import numpy as np
 import torch
 
 from worker_lib.codecs.bits import pack_bits, unpack_bits, width_for
-from worker_lib.thc.codec import check_vector
-from worker_lib.thc.quantize import UniformSource, lookup_sum
+from worker_lib.thc.quantize import UniformSource
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +129,15 @@ class CodecState:
 
 def check_input(x: torch.Tensor, ctx: RoundContext | None = None) -> torch.Tensor:
     """Flattened float32 view of a finite, non-empty float tensor; ValueError/TypeError otherwise."""
-    flat = check_vector(x).to(torch.float32)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"the input must be a torch.Tensor, got {type(x).__name__}")
+    if x.numel() == 0:
+        raise ValueError("the input tensor is empty")
+    if not x.is_floating_point():
+        raise TypeError(f"the input must be a floating-point tensor, got {x.dtype}")
+    flat = x.detach().reshape(-1).to(torch.float32)
+    if not bool(torch.isfinite(flat).all()):
+        raise ValueError("the input holds NaN or infinite values (or values beyond float32's range)")
     if ctx is not None and flat.numel() != ctx.length:
         raise ValueError(f"tensor has {flat.numel()} coordinates but the round is for {ctx.length}")
     return flat
@@ -208,9 +215,13 @@ class Codec(ABC):
         """Every worker's estimate of the average from the downlink message."""
 
     def average(self, xs: Sequence[torch.Tensor], ctx: RoundContext | None = None,
-                states: Sequence[CodecState | None] | None = None,
+                states: Sequence[CodecState | None] | None = None, agg_state: CodecState | None = None,
                 ) -> tuple[torch.Tensor, list[Message], Message]:
-        """Run one whole round in process: (average estimate, uplink messages, downlink message)."""
+        """Run one whole round in process: (average estimate, uplink messages, downlink message).
+
+        ``states`` are the workers' error-feedback states, ``agg_state`` the aggregator's (used by
+        DAR codecs that keep one for the downlink, as 3LC's servers do).
+        """
         if not xs:
             raise ValueError("need at least one worker's tensor")
         d = check_input(xs[0]).numel()
@@ -221,7 +232,7 @@ class Codec(ABC):
             published = [self.prelim(x, s) for x, s in zip(xs, states, strict=True)]
             ctx = replace(ctx, shared=self.combine_prelim(published))
         ups = [self.encode(x, ctx, s) for x, s in zip(xs, states, strict=True)]
-        down = self.aggregate(ups, ctx)
+        down = self.aggregate(ups, ctx, agg_state)
         return self.decode_result(down, ctx), ups, down
 
 
@@ -260,7 +271,10 @@ class HomomorphicCodec(Codec):
         count = self.transmitted(ctx)
         if msg.bits != count * self.index_bits:
             raise ValueError(f"expected {count * self.index_bits} bits, got {msg.bits}")
-        return unpack_bits(msg.payload, self.index_bits, count)
+        idx = unpack_bits(msg.payload, self.index_bits, count)
+        if idx.size and int(idx.max()) >= self.table.size:
+            raise ValueError(f"an index is outside the table of {self.table.size} values: corrupt data")
+        return idx
 
     def sum_width(self, workers: int) -> int:
         """Downlink bits per coordinate: the sums lie in [0, workers * max(table)]."""
@@ -270,8 +284,11 @@ class HomomorphicCodec(Codec):
         """What a switch computes: per coordinate, the sum over messages of table[index] (int64)."""
         if not msgs:
             raise ValueError("no messages to aggregate")
-        stacked = np.stack([self.indices(m, ctx) for m in msgs])
-        return lookup_sum(self.table, stacked)
+        table = self.table.astype(np.int64)
+        sums = np.zeros(self.transmitted(ctx), dtype=np.int64)
+        for m in msgs:  # over messages: one table lookup and one integer add per coordinate each
+            sums += np.take(table, self.indices(m, ctx))
+        return sums
 
     def aggregate(self, msgs: Sequence[Message], ctx: RoundContext,
                   state: CodecState | None = None) -> Message:

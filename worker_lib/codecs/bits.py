@@ -31,6 +31,16 @@ def pack_bits(values: np.ndarray, width: int) -> np.ndarray:
         raise ValueError(f"values outside [0, 2^{width})")
     if width == 8:
         return v.astype(np.uint8)
+    need = math.ceil(v.size * width / 8)
+    if width < 8:  # eight fields make `width` whole bytes: assemble them in one 64-bit word
+        groups = np.zeros(math.ceil(v.size / 8) * 8, dtype=np.uint64)
+        groups[: v.size] = v
+        groups = groups.reshape(-1, 8)
+        word = np.zeros(groups.shape[0], dtype=np.uint64)
+        for k in range(8):
+            word |= groups[:, k] << np.uint64(width * (7 - k))
+        shifts = np.arange(8 * (width - 1), -1, -8, dtype=np.uint64)
+        return ((word[:, None] >> shifts) & np.uint64(0xFF)).astype(np.uint8).reshape(-1)[:need]
     words = v.astype(">u4").view(np.uint8).reshape(-1, 4)
     bits = np.unpackbits(words, axis=1)[:, 32 - width:]
     return np.packbits(bits.reshape(-1))
@@ -46,6 +56,17 @@ def unpack_bits(buf: np.ndarray, width: int, count: int) -> np.ndarray:
         raise ValueError(f"{buf.size} bytes cannot hold {count} fields of {width} bits")
     if width == 8:
         return buf[:count].astype(np.int64)
+    if width < 8:
+        groups = math.ceil(count / 8)
+        raw = np.zeros(groups * width, dtype=np.uint64)
+        raw[:need] = buf[:need]
+        raw = raw.reshape(groups, width)
+        word = np.zeros(groups, dtype=np.uint64)
+        for j in range(width):
+            word |= raw[:, j] << np.uint64(8 * (width - 1 - j))
+        shifts = np.arange(width * 7, -1, -width, dtype=np.uint64)
+        fields = (word[:, None] >> shifts) & np.uint64((1 << width) - 1)
+        return fields.reshape(-1)[:count].astype(np.int64)
     bits = np.unpackbits(buf[:need])[: count * width].reshape(count, width)
     full = np.zeros((count, 32), dtype=np.uint8)
     full[:, 32 - width:] = bits

@@ -60,26 +60,32 @@ class NaturalCompression(DARCodec):
         super().__init__(config or NaturalConfig(), device=device, seed=seed)
 
     def bytes_of(self, flat: torch.Tensor) -> torch.Tensor:
-        """The wire byte of every coordinate (uint8 tensor on the codec's device)."""
-        t = flat.abs()
-        m, e = torch.frexp(t)  # t = m 2^e, m in [0.5, 1): 2^(e-1) <= t < 2^e
-        a = e.to(torch.int32) - 1
+        """The wire byte of every coordinate (uint8 tensor on the codec's device).
+
+        Works on the float32 bit pattern: for a normal float, |t| = (1 + f) 2^a with f the mantissa
+        fraction, so the probability of rounding up, (|t| - 2^a) / 2^a, is f itself.
+        """
+        raw = flat.contiguous().view(torch.int32)
+        biased = (raw >> 23) & 0xFF  # IEEE exponent field; 0 for zero and subnormals (< 2^-126)
+        frac = (raw & 0x7FFFFF).to(torch.float32) * (2.0 ** -23)
+        a = biased - 127
         tiny = a < MIN_EXP
         if self.config.rounding == "stochastic":
-            u = self.rand(t.numel())
-            up = u < (2 * m - 1)
-            keep_tiny = u < torch.ldexp(t, torch.tensor(-MIN_EXP, device=t.device))
+            u = self.rand(flat.numel())
+            up = u < frac
+            # below 2^-50: 0 or 2^-50 with P(2^-50) = |t| 2^50, unbiased
+            keep_tiny = u < flat.abs().mul(2.0 ** -MIN_EXP)
         else:
-            up = m >= 0.75
-            keep_tiny = t >= 2.0 ** (MIN_EXP - 1)
+            up = frac >= 0.5
+            keep_tiny = flat.abs() >= 2.0 ** (MIN_EXP - 1)
         r = a + up.to(torch.int32)
         over = int((r > MAX_EXP).sum())
         if over:
             log.warning("natural compression: %d coordinates above 2^%d clipped (biased)", over, MAX_EXP)
-        r = torch.where(tiny, torch.full_like(r, MIN_EXP), r).clamp_(MIN_EXP, MAX_EXP)
-        zero = (t == 0) | (tiny & ~keep_tiny)
-        stored = torch.where(zero, torch.zeros_like(r), r - MIN_EXP)
-        sign = (flat < 0).to(torch.int32)
+        r = torch.where(tiny, MIN_EXP, r).clamp_(MIN_EXP, MAX_EXP)
+        zero = tiny & ~keep_tiny  # includes t == 0 (u < 0 never holds; 0 >= 2^-51 is false)
+        stored = torch.where(zero, 0, r - MIN_EXP)
+        sign = (raw < 0).to(torch.int32)
         return (sign << 7 | zero.to(torch.int32) << 6 | stored).to(torch.uint8)
 
     def encode(self, x: torch.Tensor, ctx: RoundContext, state: CodecState | None = None) -> Message:
@@ -94,12 +100,14 @@ class NaturalCompression(DARCodec):
 
 
 def decode_bytes(b: torch.Tensor) -> torch.Tensor:
-    """float32 values of natural-compression bytes; ValueError on an exponent field above 60."""
+    """float32 values of natural-compression bytes; ValueError on an exponent field above 60.
+
+    The float32 bit pattern is assembled directly: sign bit, and exponent field (stored - 50) + 127.
+    """
     v = b.to(torch.int32)
     stored = v & 0x3F
-    zero = (v >> 6) & 1
-    if bool(((stored > MAX_EXP - MIN_EXP) & (zero == 0)).any()):
+    zero = ((v >> 6) & 1).bool()
+    if bool(((stored > MAX_EXP - MIN_EXP) & ~zero).any()):
         raise ValueError("exponent field outside [0, 60]: corrupt natural-compression data")
-    mag = torch.ldexp(torch.ones_like(stored, dtype=torch.float32), stored + MIN_EXP)
-    sign = 1 - 2 * ((v >> 7) & 1)
-    return (mag * sign * (1 - zero)).to(torch.float32)
+    raw = ((v >> 7) & 1) << 31 | (stored + (MIN_EXP + 127)) << 23
+    return torch.where(zero, 0, raw).view(torch.float32)

@@ -18,7 +18,8 @@ deliberate bias (the paper: it changes the length of g by 1.0-1.5% and its direc
 
 Ambiguity: the paper says "standard deviation of gradients in g" without saying whether the mean is
 removed; we use the population standard deviation about the mean (torch.std with correction=0).
-With ``clip=None`` no clipping is done (the paper's TernGrad-noclip row, and evidently what the THC
+A tensor with sigma = 0 (constant, or one coordinate) is left unclipped rather than clipped to
+zero. With ``clip=None`` no clipping is done (the paper's TernGrad-noclip row, and evidently what the THC
 paper measured: its TernGrad NMSE of 15.7 on a log-normal vector is what unclipped TernGrad gives).
 """
 
@@ -72,7 +73,13 @@ class TernGrad(HomomorphicCodec):
         flat = check_input(x).to(self.device)
         if self.config.clip is None:
             return flat.clone()
-        bound = self.config.clip * float(torch.std(flat, correction=0))
+        sigma = float(torch.std(flat, correction=0))
+        if sigma == 0.0:
+            # A constant tensor (or a single coordinate) has sigma = 0, and Eq. 21 taken literally
+            # would clip it to zero. Clipping exists to cut outliers and a constant tensor has none,
+            # so we leave it unclipped.
+            return flat.clone()
+        bound = self.config.clip * sigma
         return flat.clamp(-bound, bound)
 
     def prelim(self, x: torch.Tensor, state: CodecState | None = None) -> float:

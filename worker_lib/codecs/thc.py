@@ -2,7 +2,7 @@
 
 A thin adapter over ``worker_lib.thc.THCCodec``: the preliminary value is the worker's L2 norm (plus
 error feedback), combined by max; the uplink is the b-bit table indices of the D = next_pow2(d)
-rotated coordinates; the aggregator adds table values (``lookup_sum``) and the downlink carries the
+rotated coordinates; the aggregator adds table values (``aggregate_integers``) and the downlink carries the
 sums, at ceil(log2(g * n + 1)) bits each; decoding divides by the contributor count and undoes the
 rotation. The rotation signs come from (job, tensor, step) in the ``RoundContext``.
 """
@@ -64,10 +64,10 @@ class THC(HomomorphicCodec):
             raise ValueError(f"max_norm {max_norm} is below this worker's norm {norm}")
         key = self.key(ctx)
         enc = self.inner.encode(flat, max_norm, key)
+        idx = enc.indices.cpu().numpy().astype(np.int64)  # copied out of the codec's workspace
         if state is not None and self.config.error_feedback:
-            rht = self.inner.rotation(flat.numel(), key)
-            state.error = flat - rht.inverse(self.inner.own_values(enc))
-        idx = enc.indices.cpu().numpy()
+            own = torch.from_numpy(self._table[idx]).to(self.device)
+            state.error = flat - self.inner.decode(own, 1, enc.scale, flat.numel(), key).reshape(-1)
         return Message(pack_bits(idx, self.index_bits), idx.size * self.index_bits)
 
     def from_sums(self, sums: torch.Tensor, ctx: RoundContext) -> torch.Tensor:
