@@ -67,6 +67,16 @@ class JobConfig:
         object.__setattr__(self, "threshold", thr)
         if self.kind not in ("thc", "uncompressed"):
             raise JobConfigError(f"job {self.job}: kind must be 'thc' or 'uncompressed', got {self.kind!r}")
+        if self.multicast is not None:
+            host, _, port = str(self.multicast).rpartition(":")
+            try:
+                first = int(host.split(".")[0])
+                ok = len(host.split(".")) == 4 and 224 <= first <= 239 and 0 < int(port) < 65536
+            except ValueError:
+                ok = False
+            if not ok:
+                raise JobConfigError(f"job {self.job}: multicast must be GROUP:PORT with an IPv4 multicast group "
+                                     f"(224.0.0.0/4), got {self.multicast!r}")
         if not 1 <= self.slots <= 1 << 16:
             raise JobConfigError(f"job {self.job}: slots must be in 1..65536, got {self.slots}")
         if self.kind == "thc":
@@ -109,9 +119,9 @@ class JobConfig:
             raise JobConfigError(f"job {self.job}: elems (K) must be a positive multiple of 8 below 65536, "
                                  f"got {k}")
         if k * per > room:
+            total = HEADER_BYTES + IP_UDP_OVERHEAD + k * per
             raise JobConfigError(f"job {self.job}: a result of {k} x {self.result_bits}-bit sums "
-                                 f"({HEADER_BYTES + IP_UDP_OVERHEAD + k * per} bytes with headers) exceeds the "
-                                 f"mtu {self.mtu}")
+                                 f"({total} bytes with headers) exceeds the mtu {self.mtu}")
 
     @property
     def lookup(self) -> LookupTable | None:
@@ -147,7 +157,8 @@ class JobConfig:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items() if v is not None}
 
 
-_INT_KEYS = {"job", "key", "workers", "threshold", "bits", "granularity", "result_bits", "slots", "elems", "mtu"}
+_INT_KEYS = {"job", "key", "workers", "threshold", "bits", "granularity", "result_bits", "slots", "elems",
+             "mtu"}
 
 
 def job_from_mapping(raw: dict[str, Any], where: str = "job") -> JobConfig:

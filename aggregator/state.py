@@ -70,6 +70,23 @@ def serial_newer(a: int, b: int) -> bool:
     return 0 < d < HALF
 
 
+def _byte_lut(values: np.ndarray, bits: int) -> np.ndarray | None:
+    """Table lookup of a whole payload byte at once: byte -> the 8/b int32 table values it packs.
+
+    Returned as a (256,) array with one item of 8/b int32 per byte, so that one gather over the
+    packed payload yields the values in order (then viewed as int32). None when b does not divide 8
+    (then the indices are unpacked first).
+    """
+    if 8 % bits:
+        return None
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    byte = np.arange(256)
+    lut = np.stack([values[(byte >> (8 - bits * (k + 1))) & mask] for k in range(per)], axis=1).astype(np.int32)
+    item = {1: np.dtype(np.int32), 2: np.dtype(np.int64)}.get(per, np.dtype((np.void, 4 * per)))
+    return np.ascontiguousarray(lut).view(item).reshape(256)
+
+
 class JobState:
     """Registers of one job, all allocated when the job is configured."""
 
@@ -77,6 +94,7 @@ class JobState:
         self.cfg = cfg
         s, k = cfg.slots, cfg.elems
         self.values = cfg.values() if cfg.kind == "thc" else None
+        self.byte_lut = _byte_lut(self.values, cfg.bits) if self.values is not None else None
         self.sums = np.zeros((s, 2, k), np.int32)
         self.norm = [0] * (2 * s)
         self.used = [False] * s
@@ -140,6 +158,13 @@ class Aggregator:
         self.out = Outputs.allocate(max_batch, stride)
         # Header fields of this batch's outputs, written in one vectorized pass at the end.
         self._pending: list[tuple[int, int, int, int, int, int, int]] = []
+        # Results of this batch whose sums are still to be copied: (job, bank index) -> output rows.
+        self._payloads: dict[tuple[int, int], list[int]] = {}
+        # Rows of the last batch that passed validation, with their job and worker ids (the server
+        # learns worker addresses from them).
+        self.last_good = np.zeros(0, np.int64)
+        self.last_job = np.zeros(0, np.int64)
+        self.last_worker = np.zeros(0, np.int64)
         for cfg in jobs:
             self.add_job(cfg)
 
@@ -228,6 +253,7 @@ class Aggregator:
         if (reason != 0).any():
             np.add.at(c, reason[reason != 0], 1)
         good = np.flatnonzero(reason == 0)
+        self.last_good, self.last_job, self.last_worker = good, job, worker
         if good.size == 0:
             return out
         # Table lookups of all accepted-so-far DATA rows, one gather per job.
@@ -240,7 +266,9 @@ class Aggregator:
                 js = self.jobs[j]
                 cfg = js.cfg
                 pay = buf[rows, HEADER_BYTES:HEADER_BYTES + cfg.data_bytes]
-                if cfg.kind == "thc":
+                if js.byte_lut is not None:
+                    vals = js.byte_lut[pay].view(np.int32).reshape(rows.size, cfg.elems)
+                elif cfg.kind == "thc":
                     vals = js.values[unpack_indices_np(pay, cfg.bits, cfg.elems)]
                 else:
                     vals = np.ascontiguousarray(pay).view(">i4").astype(np.int32)
@@ -248,22 +276,28 @@ class Aggregator:
                 row_pos[rows] = np.arange(rows.size)
         self._apply(buf, good.tolist(), typ.tolist(), job.tolist(), worker.tolist(), slot.tolist(),
                     h["round"].astype(np.int64).tolist(), norm_bits.tolist(), row_pos.tolist(), values)
+        self._flush_payloads()
         self._finish_headers(buf)
         return out
 
     def _apply(self, buf: np.ndarray, rows: list[int], typ: list[int], job: list[int], worker: list[int],
                slot: list[int], rnd: list[int], norm_bits: list[int], row_pos: list[int],
                values: dict[int, np.ndarray]) -> None:
-        """The state table, packet by packet, in arrival order."""
-        c = self.counters
+        """The state table, packet by packet, in arrival order (the hot loop: locals only)."""
+        accepted = new_round = completed = retained = duplicate = straggler = mismatch = elements = 0
+        jobs = self.jobs
+        norm_t = int(PacketType.NORM)
+        emit_result = self._emit_result
         for i in rows:
-            js = self.jobs[job[i]]
-            cfg = js.cfg
+            js = jobs[job[i]]
             s, r, w, t = slot[i], rnd[i], worker[i], typ[i]
             b = r & 1
             idx = 2 * s + b
-            if not js.used[s] or serial_newer(r, js.cur_round[s]):
+            d = (r - js.cur_round[s]) & ROUND_MASK
+            if not js.used[s] or 0 < d < HALF:
                 # First packet of a newer round: overwrite its bank, clear bitmap and count.
+                if self._payloads and (job[i], idx) in self._payloads:
+                    self._flush_payload(job[i], idx)
                 js.used[s] = True
                 js.cur_round[s] = r
                 js.bank_round[idx] = r
@@ -271,41 +305,51 @@ class Aggregator:
                 js.bitmap[idx] = 1 << w
                 js.count[idx] = 1
                 js.complete[idx] = False
-                if t == PacketType.NORM:
+                if t == norm_t:
                     js.norm[idx] = norm_bits[i]
                 else:
                     js.sums[s, b] = values[job[i]][row_pos[i]]
-                    c[Counter.ELEMENTS] += cfg.elems
-                c[Counter.NEW_ROUND] += 1
-                c[Counter.ACCEPTED] += 1
+                    elements += js.cfg.elems
+                new_round += 1
+                accepted += 1
             elif js.bank_round[idx] == r:
                 if js.kind[idx] != t:
-                    c[Counter.KIND_MISMATCH] += 1
+                    mismatch += 1
                     continue
                 if js.complete[idx]:
-                    c[Counter.RETAINED] += 1
-                    self._emit_result(js, s, b, i, fanout=False)
+                    retained += 1
+                    emit_result(js, s, b, i, fanout=False)
                     continue
                 bit = 1 << w
                 if js.bitmap[idx] & bit:
-                    c[Counter.DUPLICATE] += 1
+                    duplicate += 1
                     continue
                 js.bitmap[idx] |= bit
                 js.count[idx] += 1
-                if t == PacketType.NORM:
+                if t == norm_t:
                     js.norm[idx] = max(js.norm[idx], norm_bits[i])
                 else:
-                    js.sums[s, b] += values[job[i]][row_pos[i]]
-                    c[Counter.ELEMENTS] += cfg.elems
-                c[Counter.ACCEPTED] += 1
+                    bank = js.sums[s, b]
+                    np.add(bank, values[job[i]][row_pos[i]], out=bank)
+                    elements += js.cfg.elems
+                accepted += 1
             else:
-                c[Counter.STRAGGLER] += 1
+                straggler += 1
                 self._emit_straggler(js, s, i)
                 continue
-            if js.count[idx] >= cfg.threshold:
+            if js.count[idx] >= js.cfg.threshold:
                 js.complete[idx] = True
-                c[Counter.COMPLETED] += 1
-                self._emit_result(js, s, b, i, fanout=True)
+                completed += 1
+                emit_result(js, s, b, i, fanout=True)
+        c = self.counters
+        c[Counter.ACCEPTED] += accepted
+        c[Counter.NEW_ROUND] += new_round
+        c[Counter.COMPLETED] += completed
+        c[Counter.RETAINED] += retained
+        c[Counter.DUPLICATE] += duplicate
+        c[Counter.STRAGGLER] += straggler
+        c[Counter.KIND_MISMATCH] += mismatch
+        c[Counter.ELEMENTS] += elements
 
     # -- output construction ---------------------------------------------------------------------
     def _emit(self, src: int, fanout: bool, job: int) -> int:
@@ -319,18 +363,54 @@ class Aggregator:
 
     def _emit_result(self, js: JobState, s: int, b: int, src: int, *, fanout: bool) -> None:
         out = self.out
-        m = self._emit(src, fanout, js.cfg.job)
+        m = out.count
+        out.count = m + 1
+        out.src[m] = src
+        out.fanout[m] = fanout
+        out.job[m] = js.cfg.job
         idx = 2 * s + b
-        row = out.buf[m]
         if js.kind[idx] == PacketType.NORM:
-            row[HEADER_BYTES:HEADER_BYTES + 4] = np.frombuffer(js.norm[idx].to_bytes(4, "big"), np.uint8)
+            out.buf[m, HEADER_BYTES:HEADER_BYTES + 4] = np.frombuffer(js.norm[idx].to_bytes(4, "big"), np.uint8)
             plen, elems, width, typ = 4, 1, 32, PacketType.NORM_RESULT
         else:
+            # The sums are copied after the loop, in one vectorized pass per job (a bank cannot change
+            # after completion except by a newer round's overwrite, which flushes first).
             plen = js.cfg.result_bytes
-            row[HEADER_BYTES:HEADER_BYTES + plen].view(js.result_dtype)[:] = js.sums[s, b]
+            key = (js.cfg.job, idx)
+            lst = self._payloads.get(key)
+            if lst is None:
+                self._payloads[key] = [m]
+            else:
+                lst.append(m)
             elems, width, typ = js.cfg.elems, js.cfg.result_bits, PacketType.RESULT
         out.length[m] = HEADER_BYTES + plen
         self._pending.append((m, typ, js.count[idx], js.bank_round[idx], elems, width, js.bitmap[idx]))
+
+    def _flush_payload(self, job: int, idx: int) -> None:
+        """Write the sums of bank ``idx`` of ``job`` into the results that wait for them (now)."""
+        ms = self._payloads.pop((job, idx), None)
+        if ms:
+            js = self.jobs[job]
+            plen = js.cfg.result_bytes
+            self.out.buf[ms, HEADER_BYTES:HEADER_BYTES + plen] = (
+                js.sums[idx >> 1, idx & 1].astype(js.result_dtype).view(np.uint8))
+
+    def _flush_payloads(self) -> None:
+        """Write all waiting result payloads: one gather and cast per job."""
+        if not self._payloads:
+            return
+        by_job: dict[int, tuple[list[int], list[int]]] = {}
+        for (job, idx), ms in self._payloads.items():
+            rows, banks = by_job.setdefault(job, ([], []))
+            rows.extend(ms)
+            banks.extend([idx] * len(ms))
+        self._payloads.clear()
+        for job, (rows, banks) in by_job.items():
+            js = self.jobs[job]
+            plen = js.cfg.result_bytes
+            bk = np.asarray(banks)
+            vals = js.sums[bk >> 1, bk & 1].astype(js.result_dtype)
+            self.out.buf[rows, HEADER_BYTES:HEADER_BYTES + plen] = vals.view(np.uint8).reshape(len(rows), plen)
 
     def _emit_straggler(self, js: JobState, s: int, src: int) -> None:
         m = self._emit(src, False, js.cfg.job)

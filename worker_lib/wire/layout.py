@@ -9,6 +9,7 @@ one go and a Tofino register can hold it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -77,6 +78,7 @@ FIELD_NAMES = tuple(f.name for f in FIELDS)
 _NUMPY_CODES = {8: ">u1", 16: ">u2", 32: ">u4"}
 
 
+@functools.lru_cache(maxsize=64)
 def header_dtype(itemsize: int | None = None) -> np.dtype:
     """The header as a big-endian numpy structured dtype.
 

@@ -1,0 +1,333 @@
+"""``thc-allreduce``: N worker processes allreduce random gradients through a THC aggregator.
+
+Starts ``thc-aggregator`` on a free loopback port (unless ``--aggregator HOST:PORT`` names a running
+one), runs the workers, then replays every worker's indices through the in-process reference state
+machine and checks that the integer sums each worker received are bit for bit the reference's. It
+prints a one-screen summary, or one JSON object with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import ctypes.util
+import json
+import multiprocessing as mp
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from aggregator.jobs import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig, JobConfigError
+from aggregator.state import Aggregator
+from worker_lib.wire.layout import PacketType
+from worker_lib.wire.serializer import build_batch, decode_sums, header_view, pack_indices_np
+
+
+@dataclass
+class RunSpec:
+    """Everything a worker process needs."""
+
+    job: JobConfig
+    host: str
+    port: int
+    shards: int
+    dim: int
+    steps: int
+    seed: int
+    loss_policy: str
+    drop_up: float
+    drop_down: float
+    timeout: float
+    deadline: float
+    outdir: str
+    multicast: str | None = None
+    retries: int = 3
+
+
+def job_params(cfg: JobConfig):  # -> JobParams (imported lazily: workers import torch)
+    from worker_lib.transport import JobParams
+
+    return JobParams(job=cfg.job, key=cfg.key, workers=cfg.workers, table_id=cfg.table_id, kind=cfg.kind,
+                     bits=cfg.bits, granularity=cfg.granularity, result_bits=cfg.result_bits,
+                     slots=cfg.slots, elems=cfg.elems)
+
+
+def gradient(seed: int, worker: int, dim: int, step: int):  # -> torch.Tensor
+    """The random gradient of a worker at a step (normal, with a per-worker scale)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1_000_003 + worker * 7919 + step)
+    return torch.randn(dim, generator=g) * (1.0 + 0.25 * worker)
+
+
+def _worker(spec: RunSpec, worker: int, barrier: mp.synchronize.Barrier) -> None:
+    """Body of one worker process: allreduce, then save what it sent and received."""
+    import torch
+
+    from worker_lib.thc import THCConfig
+    from worker_lib.transport import Transport, TransportConfig
+    from worker_lib.transport_thc import THCAllreduce
+
+    _die_with_parent()
+    torch.set_num_threads(1)
+    cfg = spec.job
+    tcfg = TransportConfig(job_params(cfg), worker=worker, aggregator=(spec.host, spec.port), shards=spec.shards,
+                           loss_policy=spec.loss_policy, timeout=spec.timeout, deadline=spec.deadline,
+                           drop_up=spec.drop_up, drop_down=spec.drop_down, seed=spec.seed,
+                           multicast=spec.multicast, retries=spec.retries)
+    out = Path(spec.outdir)
+    try:
+        with Transport(tcfg) as tr:
+            ar = THCAllreduce(tr, THCConfig(bits=cfg.bits, granularity=cfg.granularity, p=cfg.p),
+                              seed=spec.seed * 31 + worker)
+            grads = [gradient(spec.seed, worker, spec.dim, s) for s in range(spec.steps)]
+            barrier.wait(timeout=60)
+            t0 = time.perf_counter()
+            results = [ar.allreduce(grads[s], tensor=0, step=s) for s in range(spec.steps)]
+            seconds = time.perf_counter() - t0
+        last = results[-1]
+        np.savez(out / f"worker{worker}.npz", indices=np.stack([r.indices for r in results]),
+                 sums=np.stack([r.sums for r in results]), contributors=np.stack([r.contributors for r in results]),
+                 lost=np.stack([r.lost for r in results]), bitmap=np.stack([r.bitmap for r in results]),
+                 average=last.average.numpy(), max_norm=last.max_norm,
+                 seconds=seconds, stats=json.dumps(last.stats.as_dict()))
+    except Exception as exc:  # reported by the parent
+        (out / f"worker{worker}.err").write_text(f"{type(exc).__name__}: {exc}")
+        raise SystemExit(1) from exc
+
+
+def reference_sums(cfg: JobConfig, indices: list[np.ndarray], bitmaps: np.ndarray) -> np.ndarray:
+    """Replay the workers' indices through the in-process state machine.
+
+    Chunk c gets the packets of the workers in ``bitmaps[c]`` (the contributors the network
+    reported), chunk c in slot c of a reference job. Returns (chunks, K) int64 sums; rows of chunks
+    with an empty bitmap stay 0.
+    """
+    chunks = max(1, -(-indices[0].size // cfg.elems))
+    padded = [np.concatenate([ix, np.zeros(chunks * cfg.elems - ix.size, np.uint8)]) for ix in indices]
+    payload = [pack_indices_np(ix.reshape(chunks, cfg.elems), cfg.bits) for ix in padded]
+    out = np.zeros((chunks, cfg.elems), np.int64)
+    batch = 256
+    for bm in np.unique(bitmaps).tolist():
+        members = [w for w in range(cfg.workers) if (int(bm) >> w) & 1]
+        if not members:
+            continue
+        sel = np.flatnonzero(bitmaps == bm)
+        ref = JobConfig(**{**cfg.to_dict(), "threshold": len(members), "slots": max(1, sel.size)})
+        agg = Aggregator([ref], max_batch=batch)
+        slot = np.repeat(np.arange(sel.size), len(members))
+        worker = np.tile(np.array(members), sel.size)
+        pay = np.stack([payload[w][c] for c in sel.tolist() for w in members])
+        hdr = {"type": int(PacketType.DATA), "job": ref.job, "key": ref.key, "table_id": ref.table_id,
+               "worker": worker, "slot": slot, "round": 0, "tensor": 0, "chunk": sel[slot],
+               "elems": ref.elems, "width": ref.bits}
+        pkts = build_batch(hdr, pay)
+        seen = 0
+        for start in range(0, len(pkts), batch):
+            rows = pkts[start:start + batch]
+            res = agg.process(rows, np.full(len(rows), pkts.shape[1]))
+            hv = header_view(res.buf)
+            for m in range(res.count):
+                if not res.fanout[m]:
+                    raise AssertionError("the reference state machine answered a fresh packet by unicast")
+                c = int(sel[int(hv["slot"][m])])
+                out[c] = decode_sums(res.buf[m, 32:32 + ref.result_bytes], ref.result_bits, ref.elems)
+                seen += 1
+        if seen != sel.size:
+            raise AssertionError(f"the reference completed {seen} of {sel.size} chunks")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="thc-allreduce",
+        description="Allreduce random gradients among N worker processes through a THC aggregator on "
+                    "loopback, check the integer sums bit for bit against the in-process state machine, "
+                    "and report time, packets, retransmissions, stragglers, NMSE and exactness.",
+        epilog=f"With --aggregator, the job options must match a job the aggregator serves; by default "
+               f"that is thc-aggregator's default job {DEFAULT_JOB_ID} (key {DEFAULT_KEY:#x}, 4 workers, "
+               "b=4, g=30, p=1/32).")
+    p.add_argument("--workers", type=int, default=4, help="worker processes (n, at most 32)")
+    p.add_argument("--dim", type=int, default=1 << 20, help="coordinates per gradient (default 2^20)")
+    p.add_argument("--steps", type=int, default=1, help="allreduce steps (error feedback carries over)")
+    p.add_argument("--aggregator", metavar="HOST:PORT", help="use a running aggregator instead of starting one")
+    p.add_argument("--shards", type=int, default=1, help="aggregator shards (ports PORT..PORT+P-1)")
+    p.add_argument("--loss-policy", choices=("reliable", "zero-fill"), default="reliable")
+    p.add_argument("--drop-up", type=float, default=0.0, help="simulated loss of worker->aggregator packets")
+    p.add_argument("--drop-down", type=float, default=0.0, help="simulated loss of aggregator->worker packets")
+    p.add_argument("--timeout", type=float, default=0.05, help="retransmission timeout in seconds")
+    p.add_argument("--retries", type=int, default=3,
+                   help="zero-fill: retransmissions before a chunk is given up (0: the paper's no-retransmission)")
+    p.add_argument("--deadline", type=float, default=10.0, help="seconds without answer before giving up")
+    p.add_argument("--job", type=int, default=DEFAULT_JOB_ID)
+    p.add_argument("--key", type=lambda s: int(s, 0), default=DEFAULT_KEY)
+    p.add_argument("--threshold", type=int, help="completion threshold (default: all workers)")
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--granularity", type=int, default=30)
+    p.add_argument("--p", type=float, default=1 / 32)
+    p.add_argument("--slots", type=int, default=128)
+    p.add_argument("--elems", type=int, help="indices per packet K (default: largest fitting the MTU, <= 1024)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--multicast", metavar="GROUP:PORT",
+                   help="results once to this IP multicast group (the started aggregator runs --multicast)")
+    p.add_argument("--pcap", type=Path, help="the started aggregator writes its traffic to this pcap file")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
+    return p
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if thc-allreduce dies (even by SIGKILL), so no aggregator is orphaned."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@contextlib.contextmanager
+def started_aggregator(cfg: JobConfig, shards: int, pcap: Path | None):
+    """Run thc-aggregator on a free loopback port for the duration of the block; yields its port."""
+    spec = ",".join(f"{k}={v if not isinstance(v, list) else ':'.join(map(str, v))}"
+                    for k, v in cfg.to_dict().items())
+    cmd = [sys.executable, "-m", "aggregator.cli", "--port", "0", "--shards", str(shards), "--job", spec]
+    if pcap is not None:
+        cmd += ["--pcap", str(pcap)]
+    if cfg.multicast:
+        cmd += ["--multicast"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_die_with_parent)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if "listening on" not in line:
+            err = proc.stderr.read() if proc.stderr else ""
+            raise RuntimeError(f"thc-aggregator did not start: {line.strip()} {err.strip()}")
+        yield int(line.split()[3].rsplit(":", 1)[1])
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the allreduce; returns the summary dict."""
+    job = JobConfig(job=args.job, key=args.key, workers=args.workers, threshold=args.threshold, bits=args.bits,
+                    granularity=args.granularity, p=args.p, slots=args.slots, elems=args.elems,
+                    multicast=args.multicast)
+    if args.dim < 1:
+        raise ValueError("--dim must be positive")
+    with tempfile.TemporaryDirectory(prefix="thc-allreduce-") as tmp, contextlib.ExitStack() as stack:
+        if args.aggregator:
+            host, _, port_s = args.aggregator.rpartition(":")
+            host, port = host or "127.0.0.1", int(port_s)
+        else:
+            host, port = "127.0.0.1", stack.enter_context(started_aggregator(job, args.shards, args.pcap))
+        spec = RunSpec(job, host, port, args.shards, args.dim, args.steps, args.seed, args.loss_policy,
+                       args.drop_up, args.drop_down, args.timeout, args.deadline, tmp, args.multicast, args.retries)
+        ctx = mp.get_context("fork")
+        barrier = ctx.Barrier(args.workers)
+        procs = [ctx.Process(target=_worker, args=(spec, w, barrier), name=f"thc-worker{w}")
+                 for w in range(args.workers)]
+        t0 = time.perf_counter()
+        for pr in procs:
+            pr.start()
+        limit = time.monotonic() + 120 + args.deadline * 4 + args.steps * 30
+        for pr in procs:
+            pr.join(timeout=max(0.1, limit - time.monotonic()))
+        for pr in procs:
+            if pr.is_alive():
+                pr.terminate()
+                pr.join(5)
+        wall = time.perf_counter() - t0
+        errors = [(Path(tmp) / f"worker{w}.err") for w in range(args.workers)]
+        msgs = [e.read_text() for e in errors if e.exists()]
+        if msgs or any(pr.exitcode != 0 for pr in procs):
+            raise RuntimeError("worker failed: " + ("; ".join(msgs) or "exit codes "
+                                                     + str([pr.exitcode for pr in procs])))
+        data = [np.load(Path(tmp) / f"worker{w}.npz") for w in range(args.workers)]
+        return summarize(job, args, data, wall, f"{host}:{port}")
+
+
+def summarize(job: JobConfig, args: argparse.Namespace, data: list, wall: float, where: str) -> dict:
+    """Check sums against the reference, compute NMSE, gather counters."""
+    import torch
+
+    steps = args.steps
+    exact = True
+    lost_total = 0
+    for s in range(steps):
+        lost_any = np.zeros_like(data[0]["lost"][s])
+        bitmaps = np.zeros(lost_any.shape, np.int64)
+        for d in data:
+            lost_any |= d["lost"][s]
+        # Each chunk's contributors as reported by any worker that received it.
+        for d in data:
+            got = ~d["lost"][s]
+            bitmaps[got] = d["bitmap"][s][got]
+        ref = reference_sums(job, [d["indices"][s] for d in data], bitmaps)
+        for d in data:
+            got = ~d["lost"][s]
+            exact &= bool(np.array_equal(d["sums"][s][got], ref[got]))
+        lost_total += int(sum(d["lost"][s].sum() for d in data))
+    true = sum(gradient(args.seed, w, args.dim, steps - 1) for w in range(args.workers)) / args.workers
+    avg = torch.from_numpy(data[0]["average"])
+    # The last step decoded in-process from the reference sums (when nothing was lost and every chunk
+    # had the same contributors): the workers' average must be that, to float rounding.
+    decoded_gap = None
+    last_contrib = data[0]["contributors"][steps - 1]
+    if not any(d["lost"][steps - 1].any() for d in data) and (last_contrib == last_contrib[0]).all():
+        from worker_lib.thc import SignKey, THCCodec, THCConfig
+
+        codec = THCCodec(THCConfig(bits=job.bits, granularity=job.granularity, p=job.p))
+        padded = data[0]["indices"][steps - 1].size
+        sums = torch.from_numpy(ref.reshape(-1)[:padded])
+        est = codec.decode(sums, int(last_contrib[0]), codec.scale(float(data[0]["max_norm"]), padded), args.dim,
+                           SignKey.derive(job.job, 0, steps - 1))
+        decoded_gap = float((est - avg).abs().max())
+    nmse = float(((avg - true) ** 2).sum() / (true ** 2).sum())
+    consistent = all(np.array_equal(d["average"], data[0]["average"]) for d in data)
+    stats = [json.loads(str(d["stats"])) for d in data]
+    tot = {k: sum(st[k] for st in stats) for k in stats[0]}
+    return {
+        "exact": exact, "nmse": nmse, "seconds": max(float(d["seconds"]) for d in data), "wall_seconds": wall,
+        "workers": args.workers, "dim": args.dim, "steps": steps, "loss_policy": args.loss_policy,
+        "drop_up": args.drop_up, "drop_down": args.drop_down, "aggregator": where, "shards": args.shards,
+        "consistent_average": consistent, "decoded_vs_reference_max_abs": decoded_gap, "lost_chunks": lost_total,
+        "elems": job.elems,
+        "threshold": job.threshold, "multicast": args.multicast, **{k: v for k, v in tot.items() if k != "lost_chunks"},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        summary = run(args)
+    except (JobConfigError, ValueError, RuntimeError) as exc:
+        print(f"thc-allreduce: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        s = summary
+        print(f"thc-allreduce: {s['workers']} workers x {s['dim']:,} coordinates, {s['steps']} step(s), "
+              f"aggregator {s['aggregator']} (shards {s['shards']}), K={s['elems']}, threshold {s['threshold']}")
+        print(f"  time          {s['seconds']:.3f} s (wall with process start {s['wall_seconds']:.2f} s)")
+        print(f"  packets sent  {s['packets_sent']:,}  results {s['results']:,}  "
+              f"retransmissions {s['retransmissions']:,}")
+        print(f"  loss          policy {s['loss_policy']}, simulated drops up {s['dropped_up']} / down "
+              f"{s['dropped_down']}, chunks lost {s['lost_chunks']}")
+        print(f"  stragglers    {s['stragglers']}")
+        print(f"  NMSE          {s['nmse']:.5f}   averages identical on all workers: {s['consistent_average']}")
+        print(f"  exact         {s['exact']} (integer sums vs the in-process state machine, bit for bit)")
+    return 0 if summary["exact"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

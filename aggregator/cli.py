@@ -1,0 +1,72 @@
+"""``thc-aggregator``: serve THC aggregation over UDP (see docs/aggregator.md)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from aggregator.jobs import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfigError, parse_job_spec
+from aggregator.server import AggregatorServer, ServerConfig
+from worker_lib.wire.layout import THC_UDP_PORT
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="thc-aggregator",
+        description="Userspace THC aggregator: table lookups and integer sums per slot, as a switch does "
+                    "(protocol: docs/protocol.md). Without --config or --job it serves job "
+                    f"{DEFAULT_JOB_ID} (key {DEFAULT_KEY:#x}, 4 workers, b=4, g=30, p=1/32).",
+        epilog="Jobs: --job 'job=2,key=0x1234,workers=8,threshold=7,bits=4,granularity=30,p=1/32,"
+               "result_bits=16,slots=128,elems=512' (repeatable) or a TOML file (--config, reloaded on "
+               "SIGHUP). SIGINT/SIGTERM stop cleanly.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=THC_UDP_PORT,
+                   help=f"UDP port of shard 0 (shard i uses port+i); 0 picks a free range (default {THC_UDP_PORT})")
+    p.add_argument("--shards", type=int, default=1, help="processes; shard i owns slots s with s mod P == i")
+    p.add_argument("--config", type=Path, help="TOML job file ([[job]] tables), reloaded on SIGHUP")
+    p.add_argument("--job", action="append", default=[], metavar="SPEC", help="a job as key=value pairs")
+    p.add_argument("--multicast", action="store_true",
+                   help="send results once to each job's multicast group (job option multicast=GROUP:PORT)")
+    p.add_argument("--batch", type=int, default=256, help="datagrams per recvmmsg/sendmmsg (default 256)")
+    p.add_argument("--busy-poll", action="store_true", help="spin on the socket instead of sleeping in select")
+    p.add_argument("--stats-interval", type=float, default=0.0, metavar="SECONDS",
+                   help="print packets/s, elements/s, drops, stragglers and completions every SECONDS")
+    p.add_argument("--metrics-port", type=int, help="export the counters for Prometheus on this TCP port")
+    p.add_argument("--control-port", type=int, metavar="PORT",
+                   help="UDP port (on --host) for text commands: 'add SPEC', 'remove ID', 'list', 'stats'")
+    p.add_argument("--pcap", type=Path, help="write every received and sent datagram to this pcap file")
+    p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        jobs = [parse_job_spec(s) for s in args.job]
+        cfg = ServerConfig(host=args.host, port=args.port, shards=args.shards, batch=args.batch,
+                           multicast=args.multicast, busy_poll=args.busy_poll,
+                           stats_interval=args.stats_interval, metrics_port=args.metrics_port,
+                           config_path=args.config, jobs=jobs, pcap=args.pcap, control_port=args.control_port)
+        server = AggregatorServer(cfg, out=lambda s: print(s, flush=True))
+    except (JobConfigError, ValueError) as exc:
+        print(f"thc-aggregator: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"thc-aggregator: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    server.install_signal_handlers()
+    ids = ", ".join(f"{j.job} ({j.kind}, n={j.workers}, threshold={j.threshold}, K={j.elems}, S={j.slots})"
+                    for j in server.jobs)
+    control = f" control={args.host}:{server.control_port}" if server.control_port is not None else ""
+    print(f"thc-aggregator listening on {args.host}:{server.port} shards={args.shards}{control} jobs: {ids}",
+          flush=True)
+    server.serve()
+    print("thc-aggregator stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

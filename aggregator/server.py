@@ -1,0 +1,462 @@
+"""The userspace aggregator: the reference state machine served over UDP, built for packet rate.
+
+Each shard is one process with one socket (port ``base + shard``) owning the slots s with
+s mod P == shard. A shard loops: wait (or busy-poll), recvmmsg a batch into a preallocated buffer,
+``Aggregator.process`` the whole batch (numpy validation and table lookups over the batch), learn
+the senders' addresses, then sendmmsg every result: unicast fan-out to the job's workers (addresses
+learned from their packets) or one datagram to the job's multicast group, and unicast answers
+(retained results, straggler notices) to their senders. Counters live in shared memory so that the
+parent process prints statistics and exports them to Prometheus for all shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+import numpy as np
+
+from aggregator.io import BatchSocket, sockaddr_in, sockaddr_to_tuple, udp_socket
+from aggregator.jobs import JobConfig, load_jobs, parse_job_spec
+from aggregator.state import DEFAULT_STRIDE, DROP_COUNTERS, Aggregator, Counter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerConfig:
+    """How ``thc-aggregator`` serves: address, shards, batching, outputs and observability."""
+
+    host: str = "127.0.0.1"
+    port: int = 9451
+    shards: int = 1
+    batch: int = 256
+    stride: int = DEFAULT_STRIDE
+    multicast: bool = False
+    busy_poll: bool = False
+    stats_interval: float = 0.0
+    metrics_port: int | None = None
+    config_path: Path | None = None
+    jobs: list[JobConfig] = field(default_factory=list)
+    pcap: Path | None = None
+    poll_timeout: float = 0.05
+    control_port: int | None = None  #: UDP port for text commands (add SPEC, remove ID, list, stats); 0: any
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.shards <= 64:
+            raise ValueError(f"shards must be in 1..64, got {self.shards}")
+        if not 1 <= self.batch <= 4096:
+            raise ValueError(f"batch must be in 1..4096, got {self.batch}")
+        if self.stats_interval < 0:
+            raise ValueError("stats_interval must be >= 0")
+
+
+def bind_shards(host: str, port: int, shards: int, attempts: int = 50) -> list[socket.socket]:
+    """Bind ``shards`` consecutive UDP ports from ``port`` (port 0: any free consecutive range)."""
+    if port != 0:
+        return [udp_socket(host, port + i) for i in range(shards)]
+    for _ in range(attempts):
+        first = udp_socket(host, 0)
+        base = first.getsockname()[1]
+        socks = [first]
+        try:
+            if base + shards > 65536:
+                raise OSError("range")
+            socks += [udp_socket(host, base + i) for i in range(1, shards)]
+            return socks
+        except OSError:
+            for s in socks:
+                s.close()  # retry from another ephemeral base
+    raise OSError(f"could not bind {shards} consecutive UDP ports on {host}")
+
+
+class _Addresses:
+    """Learned worker addresses of one job (n sockaddr_in), preallocated at configuration."""
+
+    def __init__(self, cfg: JobConfig) -> None:
+        self.addr = np.zeros((cfg.workers, 16), np.uint8)
+        self.known = np.zeros(cfg.workers, bool)
+        self.group = None
+        if cfg.multicast:
+            host, _, port = cfg.multicast.rpartition(":")
+            self.group = np.frombuffer(sockaddr_in(host, int(port)), np.uint8)[None, :]
+
+
+class Shard:
+    """One shard: a socket, a state machine, and the loop between them."""
+
+    def __init__(self, cfg: ServerConfig, sock: socket.socket, shard: int, jobs: Sequence[JobConfig],
+                 counters: np.ndarray | None = None) -> None:
+        self.cfg, self.shard = cfg, shard
+        self.io = BatchSocket(sock, batch=cfg.batch, stride=cfg.stride)
+        if cfg.multicast:
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(cfg.host))
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
+        self.agg = Aggregator(shard=shard, shards=cfg.shards, max_batch=cfg.batch, stride=cfg.stride)
+        if counters is not None:
+            self.agg.counters = counters
+        self.addrs: dict[int, _Addresses] = {}
+        self.set_jobs(jobs)
+        self.pcap = None
+        if cfg.pcap is not None:
+            from worker_lib.wire.pcap import PcapWriter
+
+            path = cfg.pcap if cfg.shards == 1 else cfg.pcap.with_suffix(f".shard{shard}{cfg.pcap.suffix}")
+            self.pcap = PcapWriter(path)
+        self.local = sockaddr_to_tuple(sockaddr_in(*sock.getsockname()))
+
+    def set_jobs(self, jobs: Sequence[JobConfig]) -> None:
+        """Apply a job list: new or changed jobs are (re)configured, missing ones removed."""
+        wanted = {j.job: j for j in jobs}
+        for jid in list(self.agg.jobs):
+            if jid not in wanted:
+                self.agg.remove_job(jid)
+                self.addrs.pop(jid, None)
+        for jid, cfg in wanted.items():
+            cur = self.agg.jobs.get(jid)
+            if cur is None or cur.cfg != cfg:
+                self.agg.add_job(cfg)
+                self.addrs[jid] = _Addresses(cfg)
+
+    def step(self, timeout: float) -> int:
+        """One iteration: receive a batch (waiting up to ``timeout`` unless busy polling), process, send.
+
+        Packet contents never raise (they are validated and counted); should a bug raise anyway, the
+        batch is logged and skipped so that one bad batch cannot stop the aggregator.
+        """
+        try:
+            return self._step(timeout)
+        except Exception:
+            log.exception("shard %d: batch skipped after an internal error", self.shard)
+            return 0
+
+    def _step(self, timeout: float) -> int:
+        io = self.io
+        if not self.cfg.busy_poll and not io.wait(timeout):
+            return 0
+        n = io.recv()
+        if n == 0:
+            return 0
+        out = self.agg.process(io.rx[:n], io.rx_len[:n])
+        self._learn()
+        if self.pcap is not None:
+            for i in range(n):
+                self.pcap.write(sockaddr_to_tuple(io.rx_addr[i]), self.local, io.rx[i, : io.rx_len[i]].tobytes())
+        if out.count:
+            self._send(out)
+        return n
+
+    def _learn(self) -> None:
+        agg = self.agg
+        good = agg.last_good
+        if good.size == 0:
+            return
+        jobs = agg.last_job[good]
+        workers = agg.last_worker[good]
+        for j in np.unique(jobs).tolist():
+            sel = jobs == j
+            tab = self.addrs[j]
+            w = workers[sel]
+            tab.addr[w] = self.io.rx_addr[good[sel]]
+            tab.known[w] = True
+
+    def _send(self, out: object) -> None:
+        from aggregator.state import Outputs
+
+        assert isinstance(out, Outputs)
+        m = out.count
+        fan = out.fanout[:m]
+        rows_l: list[np.ndarray] = []
+        addr_l: list[np.ndarray] = []
+        uni = np.flatnonzero(~fan)
+        if uni.size:
+            rows_l.append(uni)
+            addr_l.append(self.io.rx_addr[out.src[uni]])
+        fo = np.flatnonzero(fan)
+        if fo.size:
+            jobs = out.job[fo]
+            for j in np.unique(jobs).tolist():
+                ms = fo[jobs == j]
+                tab = self.addrs.get(j)
+                if tab is None:
+                    continue
+                dests = tab.group if (self.cfg.multicast and tab.group is not None) else tab.addr[tab.known]
+                if len(dests) == 0:
+                    continue
+                rows_l.append(np.repeat(ms, len(dests)))
+                addr_l.append(np.tile(dests, (ms.size, 1)))
+        if not rows_l:
+            return
+        rows = np.concatenate(rows_l)
+        addrs = np.concatenate(addr_l)
+        lengths = out.length[rows]
+        self.io.send(out.buf, rows, lengths, addrs)
+        if self.pcap is not None:
+            for r, a, ln in zip(rows.tolist(), addrs, lengths.tolist(), strict=True):
+                self.pcap.write(self.local, sockaddr_to_tuple(a), out.buf[r, :ln].tobytes())
+
+    def close(self) -> None:
+        if self.pcap is not None:
+            self.pcap.close()
+        self.io.sock.close()
+
+
+def _shard_main(cfg: ServerConfig, sock: socket.socket, shard: int, jobs: list[JobConfig],
+                shared: mp.Array, conn: multiprocessing.connection.Connection, stop: mp.Event) -> None:
+    """Body of a shard process (shards > 1)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    counters = np.frombuffer(shared, np.int64).reshape(cfg.shards, len(Counter))[shard]
+    sh = Shard(cfg, sock, shard, jobs, counters)
+    try:
+        while not stop.is_set():
+            sh.step(cfg.poll_timeout)
+            if conn.poll():
+                sh.set_jobs(conn.recv())
+    finally:
+        sh.close()
+
+
+class AggregatorServer:
+    """``thc-aggregator``: shards, signals (SIGINT/SIGTERM stop, SIGHUP reloads the job file),
+    statistics and Prometheus metrics."""
+
+    def __init__(self, cfg: ServerConfig, *, out: Callable[[str], None] = print) -> None:
+        self.cfg = cfg
+        self.out = out
+        self.jobs = self._load_jobs()
+        self.socks = bind_shards(cfg.host, cfg.port, cfg.shards)
+        self.port = self.socks[0].getsockname()[1]
+        self.counters = np.zeros((cfg.shards, len(Counter)), np.int64)
+        self._stop = threading.Event()
+        self._reload = threading.Event()
+        self._metrics = None
+        self.control: socket.socket | None = None
+        self.control_port: int | None = None
+        if cfg.control_port is not None:
+            self.control = udp_socket(cfg.host, cfg.control_port, rcvbuf=1 << 16, sndbuf=1 << 16)
+            self.control_port = self.control.getsockname()[1]
+
+    def _load_jobs(self) -> list[JobConfig]:
+        jobs = {j.job: j for j in self.cfg.jobs}
+        if self.cfg.config_path is not None:
+            for j in load_jobs(self.cfg.config_path):
+                jobs[j.job] = j
+        if not jobs:
+            jobs[1] = JobConfig()
+        return list(jobs.values())
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def request_reload(self) -> None:
+        self._reload.set()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGHUP:
+            self._reload.set()
+        else:
+            self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+
+    def _do_reload(self) -> list[JobConfig] | None:
+        self._reload.clear()
+        try:
+            jobs = self._load_jobs()
+        except ValueError as exc:
+            log.error("reload refused, keeping the current jobs: %s", exc)
+            self.out(f"reload refused: {exc}")
+            return None
+        self.jobs = jobs
+        self.out(f"reloaded: jobs {sorted(j.job for j in jobs)}")
+        return jobs
+
+    def _poll_control(self) -> list[JobConfig] | None:
+        """Answer waiting control commands; return the new job list if one changed it.
+
+        Commands (one per datagram, text): ``add SPEC`` (a --job spec; replaces a job with the same
+        id), ``remove ID``, ``list`` (JSON), ``stats`` (JSON counter totals). A SIGHUP reload later
+        replaces the job set with the file's and --job's.
+        """
+        if self.control is None:
+            return None
+        changed = False
+        jobs = {j.job: j for j in self.jobs}
+        while True:
+            try:
+                data, peer = self.control.recvfrom(4096)
+            except (BlockingIOError, InterruptedError):
+                break
+            text = data.decode("utf-8", "replace").strip()
+            cmd, _, arg = text.partition(" ")
+            try:
+                if cmd == "add":
+                    cfg = parse_job_spec(arg)
+                    jobs[cfg.job] = cfg
+                    changed = True
+                    reply = f"ok: job {cfg.job} configured"
+                elif cmd == "remove":
+                    jid = int(arg, 0)
+                    if jid not in jobs:
+                        raise ValueError(f"no job {jid}")
+                    del jobs[jid]
+                    changed = True
+                    reply = f"ok: job {jid} removed"
+                elif cmd == "list":
+                    reply = json.dumps([j.to_dict() for j in jobs.values()])
+                elif cmd == "stats":
+                    tot = self.counters.sum(axis=0)
+                    reply = json.dumps({c.name.lower(): int(tot[c]) for c in Counter})
+                else:
+                    reply = "error: unknown command; use: add SPEC | remove ID | list | stats"
+            except ValueError as exc:
+                reply = f"error: {exc}"
+            with contextlib.suppress(OSError):
+                self.control.sendto(reply.encode(), peer)
+        if not changed:
+            return None
+        self.jobs = list(jobs.values())
+        self.out(f"control: jobs {sorted(jobs)}")
+        return self.jobs
+
+    def serve(self) -> None:
+        """Run until stop() or SIGINT/SIGTERM."""
+        cfg = self.cfg
+        if cfg.metrics_port is not None:
+            self._start_metrics()
+        try:
+            if cfg.shards == 1:
+                self._serve_single()
+            else:
+                self._serve_sharded()
+        finally:
+            if self._metrics is not None:
+                self._metrics.shutdown()
+            for s in self.socks:
+                s.close()
+            if self.control is not None:
+                self.control.close()
+
+    def _serve_single(self) -> None:
+        sh = Shard(self.cfg, self.socks[0], 0, self.jobs, self.counters[0])
+        stats = _Stats(self.cfg.stats_interval, self.counters, self.out)
+        try:
+            while not self._stop.is_set():
+                sh.step(self.cfg.poll_timeout)
+                jobs = self._do_reload() if self._reload.is_set() else None
+                jobs = self._poll_control() or jobs
+                if jobs is not None:
+                    sh.set_jobs(jobs)
+                stats.tick()
+        finally:
+            sh.close()
+
+    def _serve_sharded(self) -> None:
+        cfg = self.cfg
+        ctx = mp.get_context("fork")
+        shared = ctx.RawArray("q", cfg.shards * len(Counter))
+        self.counters = np.frombuffer(shared, np.int64).reshape(cfg.shards, len(Counter))
+        stop = ctx.Event()
+        procs, conns = [], []
+        for i, sock in enumerate(self.socks):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_shard_main, args=(cfg, sock, i, self.jobs, shared, child, stop),
+                            name=f"thc-aggregator-shard{i}", daemon=True)
+            p.start()
+            procs.append(p)
+            conns.append(parent)
+        stats = _Stats(cfg.stats_interval, self.counters, self.out)
+        try:
+            while not self._stop.wait(0.05):
+                jobs = self._do_reload() if self._reload.is_set() else None
+                jobs = self._poll_control() or jobs
+                if jobs is not None:
+                    for c in conns:
+                        c.send(jobs)
+                stats.tick()
+                if not all(p.is_alive() for p in procs):
+                    log.error("a shard process exited; stopping")
+                    break
+        finally:
+            stop.set()
+            for p in procs:
+                p.join(timeout=3)
+                if p.is_alive():
+                    p.terminate()
+                    p.join(timeout=1)
+
+    def _start_metrics(self) -> None:
+        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client.core import CounterMetricFamily
+
+        server = self
+
+        class _Collector:
+            def collect(self):  # type: ignore[no-untyped-def]
+                snap = server.counters.copy()
+                for c in Counter:
+                    if c in DROP_COUNTERS:
+                        continue
+                    fam = CounterMetricFamily(f"thc_aggregator_{c.name.lower()}", _HELP[c], labels=["shard"])
+                    for s in range(snap.shape[0]):
+                        fam.add_metric([str(s)], float(snap[s, c]))
+                    yield fam
+                fam = CounterMetricFamily("thc_aggregator_dropped", "packets dropped, by reason",
+                                          labels=["reason", "shard"])
+                for c in DROP_COUNTERS:
+                    for s in range(snap.shape[0]):
+                        fam.add_metric([c.name.lower(), str(s)], float(snap[s, c]))
+                yield fam
+
+        registry = CollectorRegistry()
+        registry.register(_Collector())
+        httpd, _thread = start_http_server(self.cfg.metrics_port, addr=self.cfg.host, registry=registry)
+        self._metrics = httpd
+
+
+_HELP = {c: (c.__doc__ or c.name) for c in Counter}
+_HELP.update({
+    Counter.RX: "packets received", Counter.ACCEPTED: "contributions added to a bank",
+    Counter.NEW_ROUND: "banks started by the first packet of a newer round",
+    Counter.COMPLETED: "slot rounds completed", Counter.RETAINED: "retained results sent again by unicast",
+    Counter.DUPLICATE: "duplicates before completion", Counter.STRAGGLER: "straggler notices sent",
+    Counter.ELEMENTS: "elements aggregated",
+})
+
+
+class _Stats:
+    """Periodic one-line statistics (packets/s, elements/s, drops by reason, stragglers, completions)."""
+
+    def __init__(self, interval: float, counters: np.ndarray, out: Callable[[str], None]) -> None:
+        self.interval, self.counters, self.out = interval, counters, out
+        self.last_t = time.monotonic()
+        self.last = counters.sum(axis=0).copy()
+
+    def tick(self) -> None:
+        if self.interval <= 0:
+            return
+        now = time.monotonic()
+        if now - self.last_t < self.interval:
+            return
+        cur = self.counters.sum(axis=0)
+        d = cur - self.last
+        dt = now - self.last_t
+        drops = {c.name.lower(): int(d[c]) for c in DROP_COUNTERS if d[c]}
+        self.out(f"rx {d[Counter.RX] / dt:,.0f} pkt/s  elements {d[Counter.ELEMENTS] / dt:,.0f}/s  "
+                 f"completed {int(d[Counter.COMPLETED])}  retained {int(d[Counter.RETAINED])}  "
+                 f"stragglers {int(d[Counter.STRAGGLER])}  dropped {drops or 0}")
+        self.last, self.last_t = cur.copy(), now

@@ -1,0 +1,284 @@
+"""``thc-aggregator`` as a process: startup, clean shutdown, SIGHUP reload, stats, metrics, shards,
+configuration errors, pcap."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aggregator.jobs import JobConfig, JobConfigError, load_jobs, parse_job_spec
+from worker_lib.thc import lookup_sum
+from worker_lib.transport import JobParams, Transport, TransportConfig
+from worker_lib.wire import PacketType, build_packet, parse_packet
+from worker_lib.wire.pcap import read_pcap
+
+K = 64
+
+
+@contextlib.contextmanager
+def aggregator(*args: str) -> Iterator[tuple[subprocess.Popen, int]]:
+    """Start thc-aggregator on a free loopback port; always stopped (then killed) at the end."""
+    proc = subprocess.Popen([sys.executable, "-m", "aggregator.cli", "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on" in line, line + proc.stderr.read()
+        proc.first_line = line  # type: ignore[attr-defined]
+        yield proc, int(line.split()[3].rsplit(":", 1)[1])
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+def free_tcp_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def params(cfg: JobConfig) -> JobParams:
+    return JobParams(job=cfg.job, key=cfg.key, workers=cfg.workers, table_id=cfg.table_id, bits=cfg.bits,
+                     granularity=cfg.granularity, result_bits=cfg.result_bits, slots=cfg.slots, elems=cfg.elems)
+
+
+def norm_roundtrip(port: int, cfg: JobConfig, shards: int = 1, deadline: float = 3.0) -> float:
+    """A 1-worker norm exchange (its own max) through the aggregator."""
+    with Transport(TransportConfig(params(cfg), worker=0, aggregator=("127.0.0.1", port), shards=shards,
+                                   deadline=deadline)) as tr:
+        return tr.exchange_norm(2.5)[0]
+
+
+def spec(cfg: JobConfig) -> str:
+    return ",".join(f"{k}={v}" for k, v in cfg.to_dict().items())
+
+
+def test_sigterm_stops_cleanly() -> None:
+    """SIGTERM (and SIGINT) stop the server with exit code 0 and a final line."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with aggregator() as (proc, _port):
+            proc.send_signal(sig)
+            out, _ = proc.communicate(timeout=5)
+            assert proc.returncode == 0 and "stopped" in out
+
+
+def test_default_job_and_stats_interval() -> None:
+    """Without jobs it serves the default job; --stats-interval prints rates, completions and drops."""
+    default = JobConfig()
+    with aggregator("--stats-interval", "0.2") as (proc, port):
+        one = JobConfig(workers=1)  # same id and key, but n=1 is not what the server has
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.sendto(b"\x01junk", ("127.0.0.1", port))
+        s.sendto(build_packet(b"\0\0\0\1", type=PacketType.NORM, job=default.job, key=default.key,
+                              table_id=default.table_id, worker=9, elems=1, width=32), ("127.0.0.1", port))
+        s.close()
+        assert one.key == default.key
+        time.sleep(0.6)
+        proc.terminate()
+        out, _ = proc.communicate(timeout=5)
+    assert "pkt/s" in out and "elements" in out and "'short': 1" in out and "'bad_worker': 1" in out
+
+
+def test_job_spec_and_config_errors_are_clear(tmp_path: Path) -> None:
+    """Overflowing g*n, too many workers and bad files are refused with messages that say why."""
+    with pytest.raises(JobConfigError, match="does not fit 8-bit results"):
+        parse_job_spec("job=3,workers=16,result_bits=8")
+    with pytest.raises(JobConfigError, match=r"workers must be in 1\.\.32"):
+        parse_job_spec("workers=33")
+    with pytest.raises(JobConfigError, match="exceeds the mtu"):
+        JobConfig(workers=32, elems=1024)
+    bad = tmp_path / "jobs.toml"
+    bad.write_text("[[job]]\njob = 1\nworkerz = 3\n")
+    with pytest.raises(JobConfigError, match="unknown keys \\['workerz'\\]"):
+        load_jobs(bad)
+    r = subprocess.run([sys.executable, "-m", "aggregator.cli", "--port", "0", "--job", "workers=16,result_bits=8"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "does not fit" in r.stderr
+
+
+def test_sighup_reload_adds_and_removes_jobs(tmp_path: Path) -> None:
+    """Jobs added to the file serve after SIGHUP; removed ones are then dropped as unknown."""
+    a = JobConfig(job=5, key=0x55, workers=1, slots=4, elems=K)
+    b = JobConfig(job=6, key=0x66, workers=1, slots=4, elems=K)
+    path = tmp_path / "jobs.toml"
+    path.write_text(f"[[job]]\njob = 5\nkey = {a.key}\nworkers = 1\nslots = 4\nelems = {K}\n")
+    assert load_jobs(path) == [a]
+    with aggregator("--config", str(path)) as (proc, port):
+        assert norm_roundtrip(port, a) == 2.5
+        path.write_text(f"[[job]]\njob = 6\nkey = {b.key}\nworkers = 1\nslots = 4\nelems = {K}\n")
+        proc.send_signal(signal.SIGHUP)
+        assert proc.stdout.readline().startswith("reloaded: jobs [6]")
+        assert norm_roundtrip(port, b) == 2.5
+        from worker_lib.transport import AggregatorUnreachable
+
+        with pytest.raises(AggregatorUnreachable):
+            norm_roundtrip(port, a, deadline=0.3)
+        path.write_text("[[job]]\njob = 6\nworkers = 99\n")
+        proc.send_signal(signal.SIGHUP)
+        assert "reload refused" in proc.stdout.readline()
+        assert norm_roundtrip(port, b) == 2.5  # the bad file kept the current jobs
+
+
+def test_metrics_endpoint() -> None:
+    """--metrics-port exports the counters (received, completed, drops by reason) for Prometheus."""
+    cfg = JobConfig(job=7, key=0x77, workers=1, slots=4, elems=K)
+    mport = free_tcp_port()
+    with aggregator("--job", spec(cfg), "--metrics-port", str(mport)) as (_proc, port):
+        assert norm_roundtrip(port, cfg) == 2.5
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.sendto(b"\x02" * 40, ("127.0.0.1", port))
+        s.close()
+        text = ""
+        for _ in range(50):
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=2).read().decode()
+            except OSError:
+                time.sleep(0.1)
+                continue
+            if 'thc_aggregator_dropped_total{reason="bad_version",shard="0"} 1.0' in text:
+                break
+            time.sleep(0.1)
+    assert 'thc_aggregator_completed_total{shard="0"} 1.0' in text
+    assert 'thc_aggregator_dropped_total{reason="bad_version",shard="0"} 1.0' in text
+
+
+def test_shards_serve_their_slots_exactly() -> None:
+    """--shards 2: slot s is served at port base + s mod 2; sums exact; a slot sent to the wrong
+    shard is dropped."""
+    cfg = JobConfig(job=8, key=0x88, workers=2, slots=4, elems=K)
+    rng = np.random.default_rng(0)
+    idx = [rng.integers(0, 16, 10 * K).astype(np.uint8) for _ in range(2)]
+    with aggregator("--job", spec(cfg), "--shards", "2") as (_proc, port):
+        import threading
+
+        trs = [Transport(TransportConfig(params(cfg), worker=w, aggregator=("127.0.0.1", port), shards=2))
+               for w in range(2)]
+        out: list = [None, None]
+        ths = [threading.Thread(target=lambda w=w: out.__setitem__(w, trs[w].exchange_indices(idx[w])))
+               for w in range(2)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join(timeout=30)
+        for tr in trs:
+            tr.close()
+        # slot 1 belongs to shard 1: shard 0 must drop it (no answer), shard 1 answers.
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.settimeout(0.3)
+        pkt = build_packet(b"\x40\0\0\0", type=PacketType.NORM, job=cfg.job, key=cfg.key, table_id=cfg.table_id,
+                           worker=0, slot=1, round=100, elems=1, width=32)
+        s.sendto(pkt, ("127.0.0.1", port))
+        with pytest.raises(TimeoutError):
+            s.recv(100)
+        s.sendto(pkt, ("127.0.0.1", port + 1))
+        s.sendto(build_packet(b"\x40\0\0\0", type=PacketType.NORM, job=cfg.job, key=cfg.key,
+                              table_id=cfg.table_id, worker=1, slot=1, round=100, elems=1, width=32),
+                 ("127.0.0.1", port + 1))
+        hdr, _ = parse_packet(s.recv(100))
+        s.close()
+    want = lookup_sum(cfg.values(), np.stack(idx)).reshape(-1, K)
+    assert all(np.array_equal(o.sums, want) for o in out)
+    assert hdr["type"] == PacketType.NORM_RESULT and hdr["contributors"] == 2
+
+
+def test_pcap_written_and_readable(tmp_path: Path) -> None:
+    """--pcap records every datagram in and out; dpkt reads them back with THC headers intact."""
+    cfg = JobConfig(job=9, key=0x99, workers=1, slots=4, elems=K)
+    pcap = tmp_path / "agg.pcap"
+    with aggregator("--job", spec(cfg), "--pcap", str(pcap)) as (proc, port):
+        assert norm_roundtrip(port, cfg) == 2.5
+        proc.terminate()
+        proc.wait(timeout=5)
+    caps = read_pcap(pcap)
+    ins = [c for c in caps if c.dst == ("127.0.0.1", port)]
+    outs = [c for c in caps if c.src == ("127.0.0.1", port)]
+    assert ins and len(ins) == len(outs) == len(caps) // 2  # a retransmission under load adds a pair
+    for c in ins:
+        assert parse_packet(c.payload)[0]["type"] == PacketType.NORM
+    for c in outs:
+        hdr, payload = parse_packet(c.payload)
+        assert hdr["type"] == PacketType.NORM_RESULT and c.dst == ins[0].src
+        assert payload == np.float32(2.5).byteswap().tobytes()
+
+
+def test_no_orphan_shards_after_stop() -> None:
+    """With --shards 3, stopping the server leaves no shard process behind."""
+    with aggregator("--shards", "3") as (proc, _port):
+        time.sleep(0.5)
+        children = _children(proc.pid)
+        assert len(children) >= 3
+        proc.terminate()
+        proc.wait(timeout=10)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(_alive(c) for c in children):
+        time.sleep(0.05)
+    assert not any(_alive(c) for c in children)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_control_commands_add_list_remove() -> None:
+    """The control port adds and removes jobs at runtime, lists them, and reports counters."""
+    cfg = JobConfig(job=12, key=0x1212, workers=1, slots=4, elems=K)
+    with aggregator("--control-port", "0", "--job", spec(JobConfig(job=11, key=0x11, workers=1, slots=4, elems=K))) \
+            as (proc, port):
+        ctrl_port = int(proc.first_line.split("control=")[1].split()[0].rsplit(":", 1)[1])
+        c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        c.settimeout(3)
+
+        def ask(text: str) -> str:
+            c.sendto(text.encode(), ("127.0.0.1", ctrl_port))
+            return c.recv(65536).decode()
+
+        assert ask(f"add {spec(cfg)}") == "ok: job 12 configured"
+        assert norm_roundtrip(port, cfg) == 2.5
+        import json
+
+        assert sorted(j["job"] for j in json.loads(ask("list"))) == [11, 12]
+        assert json.loads(ask("stats"))["completed"] == 1
+        assert ask("remove 12") == "ok: job 12 removed"
+        assert ask("remove 12").startswith("error: no job 12")
+        assert ask("add workers=99").startswith("error: job 1: workers must be in 1..32")
+        assert ask("frobnicate").startswith("error: unknown command")
+        c.close()
+        from worker_lib.transport import AggregatorUnreachable
+
+        with pytest.raises(AggregatorUnreachable):
+            norm_roundtrip(port, cfg, deadline=0.3)
+

@@ -1,0 +1,116 @@
+"""Fuzzing the parser and the state machine with hypothesis: random bytes never crash it and are
+all counted; valid-but-hostile sequences match an independent, deliberately naive model of the
+state table (dicts and loops, written from docs/protocol.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aggregator.jobs import JobConfig
+from aggregator.state import Aggregator, Counter
+from worker_lib.wire import PacketType, build_packet, pack_indices_np, parse_packet
+
+K = 8
+CFG = JobConfig(job=4, key=0xABCD, workers=3, threshold=2, bits=2, granularity=10, table=(0, 2, 7, 10), slots=2,
+                elems=K, result_bits=8)
+OUTCOMES = (Counter.ACCEPTED, Counter.DUPLICATE, Counter.RETAINED, Counter.STRAGGLER, Counter.KIND_MISMATCH)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.binary(max_size=80), min_size=1, max_size=40))
+def test_random_bytes_never_crash_and_are_counted(packets: list[bytes]) -> None:
+    """Any datagrams: no exception, no output for garbage, and every packet lands in exactly one counter."""
+    agg = Aggregator([CFG], max_batch=64)
+    stride = agg.stride
+    buf = np.zeros((len(packets), stride), np.uint8)
+    for i, p in enumerate(packets):
+        buf[i, : len(p)] = np.frombuffer(p, np.uint8)
+    agg.process(buf, np.array([len(p) for p in packets]))
+    c = agg.counters
+    from aggregator.state import DROP_COUNTERS
+
+    assert c[Counter.RX] == len(packets)
+    assert sum(int(c[d]) for d in DROP_COUNTERS) + sum(int(c[o]) for o in OUTCOMES) == len(packets)
+
+
+def _model_step(state: dict, pkt: dict) -> list[tuple[bool, dict]]:
+    """The state table, naively: state[(slot, bank)] = dict(round, kind, members, vals, done)."""
+    values = list(CFG.table)
+    s, r, w, t = pkt["slot"], pkt["round"], pkt["worker"], pkt["type"]
+    b = r % 2
+    cur = state.get(("cur", s))
+    bank = state.get((s, b))
+    newer = cur is None or 0 < (r - cur) % 65536 < 32768
+    contrib = [values[i] for i in pkt["indices"]] if t == PacketType.DATA else [pkt["norm_bits"]]
+    if newer:
+        state[("cur", s)] = r
+        bank = state[(s, b)] = {"round": r, "kind": t, "members": [w], "vals": contrib, "done": False}
+    elif bank is not None and bank["round"] == r:
+        if bank["kind"] != t:
+            return []
+        if bank["done"]:
+            return [(False, bank)]
+        if w in bank["members"]:
+            return []
+        bank["members"].append(w)
+        if t == PacketType.DATA:
+            bank["vals"] = [a + c for a, c in zip(bank["vals"], contrib, strict=True)]
+        else:
+            bank["vals"] = [max(bank["vals"][0], contrib[0])]
+    else:
+        return [(False, {"straggler": state[("cur", s)]})]
+    if len(bank["members"]) >= CFG.threshold:
+        bank["done"] = True
+        return [(True, bank)]
+    return []
+
+
+packet = st.fixed_dictionaries({
+    "type": st.sampled_from([PacketType.DATA, PacketType.DATA, PacketType.NORM]),
+    "worker": st.integers(0, CFG.workers - 1),
+    "slot": st.integers(0, CFG.slots - 1),
+    "round": st.sampled_from([0, 1, 2, 3, 65534, 65535, 32768]),
+    "indices": st.lists(st.integers(0, 3), min_size=K, max_size=K),
+    "norm_bits": st.integers(0, 0x7F7FFFFF),
+})
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(packet, min_size=1, max_size=40), st.integers(1, 16))
+def test_hostile_sequences_match_naive_model(pkts: list[dict], batch: int) -> None:
+    """Valid packets in any order (duplicates, old and new rounds, wraparound, mixed kinds), processed
+    in batches of any size, produce exactly the model's packets."""
+    agg = Aggregator([CFG], max_batch=16)
+    model: dict = {}
+    wires = []
+    for p in pkts:
+        if p["type"] == PacketType.DATA:
+            payload = pack_indices_np(np.array(p["indices"]), CFG.bits).tobytes()
+            fields = {"elems": K, "width": CFG.bits}
+        else:
+            payload = p["norm_bits"].to_bytes(4, "big")
+            fields = {"elems": 1, "width": 32}
+        wires.append(build_packet(payload, type=p["type"], job=CFG.job, key=CFG.key, table_id=CFG.table_id,
+                                  worker=p["worker"], slot=p["slot"], round=p["round"], **fields))
+    for start in range(0, len(pkts), batch):
+        chunk = wires[start:start + batch]
+        buf = np.zeros((len(chunk), agg.stride), np.uint8)
+        for i, wbytes in enumerate(chunk):
+            buf[i, : len(wbytes)] = np.frombuffer(wbytes, np.uint8)
+        out = agg.process(buf, np.array([len(x) for x in chunk])).packets()
+        expect = [e for p in pkts[start:start + batch] for e in _model_step(model, p)]
+        assert len(out) == len(expect)
+        for (fan, data), (efan, ebank) in zip(out, expect, strict=True):
+            hdr, payload = parse_packet(data)
+            assert fan == efan
+            if "straggler" in ebank:
+                assert hdr["type"] == PacketType.STRAGGLER and hdr["round"] == ebank["straggler"]
+                continue
+            assert hdr["round"] == ebank["round"] and hdr["contributors"] == len(ebank["members"])
+            assert hdr["bitmap"] == sum(1 << m for m in ebank["members"])
+            if ebank["kind"] == PacketType.DATA:
+                assert hdr["type"] == PacketType.RESULT and list(payload) == ebank["vals"]
+            else:
+                assert hdr["type"] == PacketType.NORM_RESULT and int.from_bytes(payload, "big") == ebank["vals"][0]

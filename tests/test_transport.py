@@ -1,0 +1,424 @@
+"""Worker transport against a real aggregator server on loopback (served from a thread here, so that
+its counters can be read; tests/test_allreduce.py runs separate processes)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from aggregator.jobs import JobConfig
+from aggregator.server import AggregatorServer, ServerConfig
+from aggregator.state import Counter
+from worker_lib.thc import SignKey, THCCodec, THCConfig, lookup_sum
+from worker_lib.transport import AggregatorUnreachable, JobParams, Transport, TransportConfig, UseResults
+from worker_lib.transport_thc import THCAllreduce
+from worker_lib.wire import build_packet
+
+K = 64
+
+
+def params(cfg: JobConfig) -> JobParams:
+    return JobParams(job=cfg.job, key=cfg.key, workers=cfg.workers, table_id=cfg.table_id, kind=cfg.kind,
+                     bits=cfg.bits, granularity=cfg.granularity, result_bits=cfg.result_bits, slots=cfg.slots,
+                     elems=cfg.elems)
+
+
+@contextlib.contextmanager
+def serving(*jobs: JobConfig, shards: int = 1, multicast: bool = False) -> Iterator[AggregatorServer]:
+    """An aggregator on a free loopback port, served from a thread, stopped and joined at the end."""
+    srv = AggregatorServer(ServerConfig(port=0, jobs=list(jobs), shards=shards, poll_timeout=0.01,
+                                        multicast=multicast), out=lambda s: None)
+    th = threading.Thread(target=srv.serve, name="aggregator", daemon=True)
+    th.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        th.join(timeout=10)
+        assert not th.is_alive(), "the aggregator did not stop"
+
+
+def run_workers(srv: AggregatorServer, cfg: JobConfig, indices: list[np.ndarray], *, workers: list[int] | None = None,
+                **kw: object) -> tuple[list[UseResults], list[Transport]]:
+    """Each listed worker exchanges its indices in its own thread; returns results and transports."""
+    ids = list(range(cfg.workers)) if workers is None else workers
+    trs = [Transport(TransportConfig(params(cfg), worker=w, aggregator=("127.0.0.1", srv.port),
+                                     shards=srv.cfg.shards, **kw)) for w in ids]
+    out: list[UseResults | BaseException | None] = [None] * len(ids)
+
+    def go(k: int) -> None:
+        try:
+            out[k] = trs[k].exchange_indices(indices[ids[k]])
+        except BaseException as exc:  # surfaced below
+            out[k] = exc
+
+    ths = [threading.Thread(target=go, args=(k,)) for k in range(len(ids))]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(timeout=60)
+    for tr in trs:
+        tr.close()
+    for r in out:
+        if isinstance(r, BaseException):
+            raise r
+    return out, trs  # type: ignore[return-value]
+
+
+def oracle(cfg: JobConfig, indices: list[np.ndarray], members: list[int]) -> np.ndarray:
+    """Independent sums: lookup_sum over the members' indices, chunked to (chunks, K)."""
+    sums = lookup_sum(cfg.values(), np.stack([indices[w] for w in members]))
+    return sums.reshape(-1, cfg.elems)
+
+
+def random_indices(cfg: JobConfig, chunks: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 1 << cfg.bits, chunks * cfg.elems).astype(np.uint8) for _ in range(cfg.workers)]
+
+
+def test_sums_equal_lookup_sum() -> None:
+    """4 workers: every chunk's sums equal lookup_sum of their indices; contributors 4, bitmap 0b1111."""
+    cfg = JobConfig(workers=4, slots=8, elems=K)
+    idx = random_indices(cfg, 20)
+    with serving(cfg) as srv:
+        res, _ = run_workers(srv, cfg, idx)
+    want = oracle(cfg, idx, [0, 1, 2, 3])
+    for r in res:
+        assert np.array_equal(r.sums, want)
+        assert (r.contributors == 4).all() and (r.bitmap == 0b1111).all() and not r.lost.any()
+
+
+@pytest.mark.parametrize(("up", "down"), [(0.01, 0.0), (0.1, 0.0), (0.0, 0.01), (0.0, 0.1)])
+def test_reliable_exact_under_loss(up: float, down: float) -> None:
+    """Seeded loss up or down, 1% and 10%: reliable stays bit exact (no double counting)."""
+    cfg = JobConfig(workers=4, slots=4, elems=K)
+    idx = random_indices(cfg, 40, seed=int(up * 100 + down * 1000))
+    with serving(cfg) as srv:
+        res, trs = run_workers(srv, cfg, idx, drop_up=up, drop_down=down, timeout=0.02, seed=3)
+        counters = srv.counters.sum(axis=0)
+    want = oracle(cfg, idx, [0, 1, 2, 3])
+    for r in res:
+        assert np.array_equal(r.sums, want) and not r.lost.any()
+    dropped = sum(t.stats.dropped_up + t.stats.dropped_down for t in trs)
+    assert dropped > 0 and sum(t.stats.retransmissions for t in trs) > 0
+    assert counters[Counter.ACCEPTED] == 4 * 40  # each contribution added exactly once
+
+
+def test_lost_result_after_slot_moved_on_gets_shadow_copy() -> None:
+    """With 2 slots and a worker losing half its results, retransmissions are answered from the
+    retained bank after faster workers started the next round; sums stay exact."""
+    cfg = JobConfig(workers=3, slots=2, elems=K)
+    idx = random_indices(cfg, 30, seed=5)
+    with serving(cfg) as srv:
+        trs = [Transport(TransportConfig(params(cfg), worker=w, aggregator=("127.0.0.1", srv.port), timeout=0.02,
+                                         drop_down=0.5 if w == 0 else 0.0, seed=11)) for w in range(3)]
+        out: list[UseResults | None] = [None] * 3
+        ths = [threading.Thread(target=lambda w=w: out.__setitem__(w, trs[w].exchange_indices(idx[w])))
+               for w in range(3)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join(timeout=60)
+        counters = srv.counters.sum(axis=0)
+        for tr in trs:
+            tr.close()
+    want = oracle(cfg, idx, [0, 1, 2])
+    assert all(o is not None and np.array_equal(o.sums, want) for o in out)
+    assert trs[0].stats.dropped_down > 0 and counters[Counter.RETAINED] > 0
+    assert counters[Counter.ACCEPTED] == 3 * 30
+
+
+def test_zero_fill_reports_exactly_what_it_lost() -> None:
+    """zero-fill with upstream loss and no retransmission: a chunk whose contribution was lost is lost
+    for every worker (full threshold), reported as such; every other chunk is exact."""
+    cfg = JobConfig(workers=4, slots=8, elems=K)
+    idx = random_indices(cfg, 32, seed=7)
+    with serving(cfg) as srv:
+        res, trs = run_workers(srv, cfg, idx, loss_policy="zero-fill", retries=0, timeout=0.8, drop_up=0.1, seed=2)
+    want = oracle(cfg, idx, [0, 1, 2, 3])
+    lost_sets = [set(np.flatnonzero(r.lost).tolist()) for r in res]
+    assert lost_sets[0] and all(s == lost_sets[0] for s in lost_sets)
+    for r, tr in zip(res, trs, strict=True):
+        ok = ~r.lost
+        assert np.array_equal(r.sums[ok], want[ok])
+        assert (r.contributors[r.lost] == 0).all() and (r.sums[r.lost] == 0).all()
+        assert tr.stats.lost_chunks == int(r.lost.sum()) == len(tr.stats.lost)
+    assert sum(t.stats.dropped_up for t in trs) >= len(lost_sets[0])
+
+
+def test_straggler_notices_and_partial_threshold() -> None:
+    """3 of 4: the round completes without the slow worker; when it arrives, it gets straggler
+    notices (callback and counter) for rounds that are gone and the retained 3-worker result for the
+    latest one; it never adds to the sums, and it finishes."""
+    cfg = JobConfig(workers=4, threshold=3, slots=2, elems=K)
+    idx = random_indices(cfg, 6, seed=9)
+    notices: list[tuple[int, int, int]] = []
+    with serving(cfg) as srv:
+        fast, _ = run_workers(srv, cfg, idx, workers=[0, 1, 2], timeout=0.05)
+        slow_tr = Transport(TransportConfig(params(cfg), worker=3, aggregator=("127.0.0.1", srv.port), timeout=0.05,
+                                            on_straggler=lambda *a: notices.append(a)))
+        slow = slow_tr.exchange_indices(idx[3])
+        slow_tr.close()
+        counters = srv.counters.sum(axis=0)
+    want = oracle(cfg, idx, [0, 1, 2])
+    for r in fast:
+        assert np.array_equal(r.sums, want) and (r.contributors == 3).all() and (r.bitmap == 0b0111).all()
+    assert slow_tr.stats.stragglers == len(notices) > 0 and slow.lost.sum() == len(notices)
+    got = ~slow.lost
+    assert got.any() and np.array_equal(slow.sums[got], want[got]) and (slow.bitmap[got] == 0b0111).all()
+    for slot, ours, current in notices:
+        assert (current - ours) % 65536 >= 2 and 0 <= slot < 2
+    assert counters[Counter.ACCEPTED] == 3 * 6 and counters[Counter.STRAGGLER] == len(notices)
+
+
+def test_two_jobs_never_touch_each_other() -> None:
+    """Two jobs on the same slots at the same time: each gets exactly its own sums."""
+    a = JobConfig(job=1, key=0x1111, workers=2, slots=4, elems=K)
+    b = JobConfig(job=2, key=0x2222, workers=3, slots=4, elems=K)
+    ia, ib = random_indices(a, 12, 1), random_indices(b, 12, 2)
+    with serving(a, b) as srv:
+        out: dict[str, list[UseResults]] = {}
+        ths = [threading.Thread(target=lambda: out.__setitem__("a", run_workers(srv, a, ia)[0])),
+               threading.Thread(target=lambda: out.__setitem__("b", run_workers(srv, b, ib)[0]))]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join(timeout=60)
+    assert all(np.array_equal(r.sums, oracle(a, ia, [0, 1])) for r in out["a"])
+    assert all(np.array_equal(r.sums, oracle(b, ib, [0, 1, 2])) for r in out["b"])
+
+
+def test_wrong_key_or_table_changes_nothing_and_errors_clearly() -> None:
+    """A worker with another key or table is refused: it fails with a clear error after its deadline,
+    and the real job's sums are untouched."""
+    cfg = JobConfig(workers=2, slots=4, elems=K)
+    idx = random_indices(cfg, 8, seed=4)
+    with serving(cfg) as srv:
+        for bad in (JobParams(**{**params(cfg).__dict__, "key": cfg.key ^ 1}),
+                    JobParams(**{**params(cfg).__dict__, "table_id": cfg.table_id ^ 1})):
+            tr = Transport(TransportConfig(bad, worker=1, aggregator=("127.0.0.1", srv.port), timeout=0.02,
+                                           deadline=0.3))
+            with pytest.raises(AggregatorUnreachable, match="no answer from the aggregator"):
+                tr.exchange_indices(idx[1])
+            tr.close()
+        res, _ = run_workers(srv, cfg, idx)
+        counters = srv.counters.sum(axis=0)
+    assert all(np.array_equal(r.sums, oracle(cfg, idx, [0, 1])) for r in res)
+    assert counters[Counter.BAD_KEY] > 0 and counters[Counter.BAD_TABLE] > 0
+
+
+def test_unreachable_aggregator_raises_after_deadline() -> None:
+    """No aggregator on the port: AggregatorUnreachable after about the deadline, never a hang."""
+    cfg = JobConfig(workers=1, slots=4, elems=K)
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    tr = Transport(TransportConfig(params(cfg), worker=0, aggregator=("127.0.0.1", port), deadline=0.4,
+                                   timeout=0.05))
+    t0 = time.monotonic()
+    with pytest.raises(AggregatorUnreachable, match=f"127.0.0.1:{port}"):
+        tr.exchange_norm(1.0)
+    assert 0.35 < time.monotonic() - t0 < 3
+    tr.close()
+
+
+def test_round_wraparound() -> None:
+    """Workers whose slot rounds wrap past 65535 during the exchange stay exact."""
+    cfg = JobConfig(workers=2, slots=2, elems=K)
+    idx = random_indices(cfg, 10, seed=8)
+    with serving(cfg) as srv:
+        trs = [Transport(TransportConfig(params(cfg), worker=w, aggregator=("127.0.0.1", srv.port))) for w in range(2)]
+        for tr in trs:
+            tr.slot_round = [65533, 65534]
+        out: list[UseResults | None] = [None, None]
+        ths = [threading.Thread(target=lambda w=w: out.__setitem__(w, trs[w].exchange_indices(idx[w])))
+               for w in range(2)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join(timeout=30)
+        for tr in trs:
+            tr.close()
+    assert trs[0].slot_round == [(65533 + 5) % 65536, (65534 + 5) % 65536]
+    assert all(o is not None and np.array_equal(o.sums, oracle(cfg, idx, [0, 1])) for o in out)
+
+
+def test_malformed_traffic_interleaved_leaves_result_intact() -> None:
+    """Random bytes and hostile headers sprayed at the aggregator during a job: sums stay exact."""
+    cfg = JobConfig(workers=3, slots=4, elems=K)
+    idx = random_indices(cfg, 24, seed=6)
+    stop = threading.Event()
+    with serving(cfg) as srv:
+        def spray() -> None:
+            rng = np.random.default_rng(0)
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sent = 0
+            while not stop.is_set() and sent < 20000:
+                kind = sent % 4
+                if kind == 0:
+                    data = rng.bytes(int(rng.integers(0, 200)))
+                elif kind == 1:  # right job, wrong key, plausible slot/round
+                    data = build_packet(bytes(cfg.data_bytes), type=1, job=cfg.job, key=cfg.key ^ 0xFF,
+                                        table_id=cfg.table_id, worker=0, slot=int(rng.integers(0, 4)),
+                                        elems=K, width=4)
+                elif kind == 2:  # right key, worker out of range
+                    data = build_packet(bytes(cfg.data_bytes), type=1, job=cfg.job, key=cfg.key,
+                                        table_id=cfg.table_id, worker=7, slot=1, elems=K, width=4)
+                else:  # right key, truncated payload
+                    data = build_packet(bytes(5), type=1, job=cfg.job, key=cfg.key, table_id=cfg.table_id,
+                                        worker=1, slot=2, elems=K, width=4)
+                s.sendto(data, ("127.0.0.1", srv.port))
+                sent += 1
+                if sent % 50 == 0:
+                    time.sleep(0.001)
+            s.close()
+
+        th = threading.Thread(target=spray)
+        th.start()
+        try:
+            res, _ = run_workers(srv, cfg, idx)
+        finally:
+            stop.set()
+            th.join(timeout=10)
+        time.sleep(0.05)
+        counters = srv.counters.sum(axis=0)
+    assert all(np.array_equal(r.sums, oracle(cfg, idx, [0, 1, 2])) for r in res)
+    assert counters[Counter.BAD_KEY] > 0 and counters[Counter.BAD_WORKER] > 0 and counters[Counter.BAD_FORMAT] > 0
+
+
+def test_thc_allreduce_decodes_like_the_codec() -> None:
+    """THCAllreduce's average equals the in-process codec's decode of lookup_sum over all workers'
+    indices, and its error is THC's (NMSE well below 1 and equal on every worker)."""
+    cfg = JobConfig(workers=3, slots=16, elems=K)
+    d = 3000
+    grads = [torch.randn(d, generator=torch.Generator().manual_seed(w)) for w in range(3)]
+    with serving(cfg) as srv:
+        ars = [THCAllreduce(Transport(TransportConfig(params(cfg), worker=w, aggregator=("127.0.0.1", srv.port))),
+                            THCConfig(), seed=w) for w in range(3)]
+        out: list = [None] * 3
+        ths = [threading.Thread(target=lambda w=w: out.__setitem__(w, ars[w].allreduce(grads[w], tensor=2, step=5)))
+               for w in range(3)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join(timeout=60)
+        for a in ars:
+            a.transport.close()
+    codec = THCCodec(THCConfig())
+    padded = out[0].indices.size
+    sums = torch.from_numpy(lookup_sum(cfg.values(), np.stack([o.indices for o in out])))
+    scale = codec.scale(out[0].max_norm, padded)
+    expect = codec.decode(sums, 3, scale, d, SignKey.derive(cfg.job, 2, 5))
+    true = sum(grads) / 3
+    for o in out:
+        assert torch.allclose(o.average, expect, atol=1e-6)
+    assert out[0].max_norm == pytest.approx(max(float(g.norm()) for g in grads), rel=1e-6)
+    nmse = float(((out[0].average - true) ** 2).sum() / (true ** 2).sum())
+    assert 0 < nmse < 0.2
+
+
+def _loopback_multicast_problem() -> str | None:
+    """Why IP multicast on the loopback interface does not work here (None if it does)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    group = "239.77.0.2"
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        rx.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        rx.bind((group, port))
+        mreq = socket.inet_aton(group) + socket.inet_aton("127.0.0.1")
+        rx.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
+        rx.settimeout(1.0)
+        tx.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
+        tx.sendto(b"probe", (group, port))
+        rx.recv(16)
+    except OSError as exc:
+        return f"IP multicast on the loopback interface does not work here: {exc}"
+    finally:
+        rx.close()
+        tx.close()
+    return None
+
+
+def test_multicast_results() -> None:
+    """--multicast: each completion is one datagram to the job's group, which every worker receives;
+    retained results still come back by unicast."""
+    problem = _loopback_multicast_problem()
+    if problem:
+        pytest.skip(problem)
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    probe.bind(("127.0.0.1", 0))
+    group = f"239.77.0.1:{probe.getsockname()[1]}"
+    probe.close()
+    cfg = JobConfig(workers=3, slots=4, elems=K, multicast=group)
+    idx = random_indices(cfg, 12, seed=12)
+    with serving(cfg, multicast=True) as srv:
+        res, trs = run_workers(srv, cfg, idx, multicast=group, drop_down=0.05, timeout=0.02, seed=1)
+        counters = srv.counters.sum(axis=0)
+    want = oracle(cfg, idx, [0, 1, 2])
+    assert all(np.array_equal(r.sums, want) for r in res)
+    assert all(t.stats.multicast_results > 0 for t in trs)
+    unicast = sum(t.stats.results - t.stats.multicast_results for t in trs)
+    assert unicast <= counters[Counter.RETAINED]
+
+
+def test_uncompressed_job_sums_int32() -> None:
+    """An uncompressed job carries int32 fixed-point values; sums (negatives included) are exact."""
+    cfg = JobConfig(job=3, key=0x3333, workers=3, kind="uncompressed", slots=4, elems=K)
+    rng = np.random.default_rng(3)
+    vals = [rng.integers(-(1 << 28), 1 << 28, 5 * K + 7) for _ in range(3)]
+    with serving(cfg) as srv:
+        trs = [Transport(TransportConfig(params(cfg), worker=w, aggregator=("127.0.0.1", srv.port))) for w in range(3)]
+        out: list = [None] * 3
+        ths = [threading.Thread(target=lambda w=w: out.__setitem__(w, trs[w].exchange_int32(vals[w])))
+               for w in range(3)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join(timeout=30)
+        for tr in trs:
+            tr.close()
+    want = np.zeros(6 * K, np.int64)
+    want[: 5 * K + 7] = sum(vals)
+    assert all(np.array_equal(o.sums.reshape(-1), want) for o in out)
+
+
+def test_zero_fill_allreduce_zeroes_lost_chunks_in_transformed_domain() -> None:
+    """THCAllreduce under zero-fill: a lost chunk's coordinates are zero in the rotated domain and the
+    loss is reported; the others decode normally."""
+    from worker_lib.thc import RandomizedHadamard
+
+    cfg = JobConfig(workers=2, slots=8, elems=K)
+    d = 4096
+    grads = [torch.randn(d, generator=torch.Generator().manual_seed(10 + w)) for w in range(2)]
+    with serving(cfg) as srv:
+        ars = [THCAllreduce(Transport(TransportConfig(params(cfg), worker=w, aggregator=("127.0.0.1", srv.port),
+                                                      loss_policy="zero-fill", retries=0, timeout=0.8,
+                                                      drop_up=0.15, seed=4)), THCConfig(), seed=w)
+               for w in range(2)]
+        out: list = [None] * 2
+        ths = [threading.Thread(target=lambda w=w: out.__setitem__(w, ars[w].allreduce(grads[w], tensor=1, step=3)))
+               for w in range(2)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join(timeout=60)
+        for a in ars:
+            a.transport.close()
+    lost = out[0].lost
+    assert lost.any() and not lost.all() and np.array_equal(lost, out[1].lost)
+    rotated = RandomizedHadamard(d, SignKey.derive(cfg.job, 1, 3)).forward(out[0].average).reshape(-1, K)
+    scale = float(rotated.abs().max())
+    assert float(rotated[torch.from_numpy(lost)].abs().max()) < 1e-4 * scale
+    assert float(rotated[torch.from_numpy(~lost)].abs().mean()) > 1e-2 * scale

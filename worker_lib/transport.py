@@ -1,0 +1,358 @@
+"""Worker transport: one worker's allreduce through a THC aggregator over UDP.
+
+``Transport`` runs *uses* of the job's slot pool (docs/protocol.md): use u takes slot u mod S with
+that slot's next round; a sliding window keeps at most W <= S uses in flight and never starts a use
+before the previous use of its slot has finished. Per-use timeouts drive retransmission; two loss
+policies decide what a missing result means:
+
+- ``reliable``: retransmit until the result arrives (exact), or raise ``AggregatorUnreachable`` when
+  nothing at all has come back for ``deadline`` seconds;
+- ``zero-fill`` (the paper's): after ``retries`` retransmissions the chunk is given up, taken as
+  zero in the transformed domain, and reported in ``TransportStats.lost_chunks``.
+
+A straggler notice (the slot has moved on past our round: its result is gone) marks the use lost,
+is counted, and calls ``on_straggler``. ``exchange_indices`` / ``exchange_norm`` are the low-level
+calls (numpy only, no torch); ``THCAllreduce.allreduce`` adds THC's norm stage, compression and
+decoding on top.
+
+Usage::
+
+    params = JobParams(job=1, key=0x54484321, workers=4, table_id=table.table_id(), bits=4)
+    tr = Transport(TransportConfig(params, worker=0, aggregator=("127.0.0.1", 9451)))
+    ar = THCAllreduce(tr, THCConfig())
+    avg = ar.allreduce(grad, tensor=0, step=s).average
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import select
+import socket
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from worker_lib.wire.layout import HEADER_BYTES, ROUND_BITS, VERSION, PacketType
+from worker_lib.wire.serializer import build_batch, float_bits, pack_indices_np
+
+log = logging.getLogger(__name__)
+
+LossPolicy = Literal["reliable", "zero-fill"]
+_HDR = struct.Struct(">BBHIHBBHHIIHBBI")
+_ROUND_MASK = (1 << ROUND_BITS) - 1
+
+
+class AggregatorUnreachable(ConnectionError):
+    """Nothing came back from the aggregator for the configured deadline."""
+
+
+@dataclass(frozen=True)
+class JobParams:
+    """What a worker must know of its job (the same values the aggregator is configured with)."""
+
+    job: int
+    key: int
+    workers: int
+    table_id: int = 0
+    kind: Literal["thc", "uncompressed"] = "thc"
+    bits: int = 4
+    granularity: int = 30
+    result_bits: int = 8
+    slots: int = 128
+    elems: int = 1024
+
+    @property
+    def data_width(self) -> int:
+        return self.bits if self.kind == "thc" else 32
+
+
+@dataclass
+class TransportConfig:
+    """One worker's transport settings."""
+
+    params: JobParams
+    worker: int
+    aggregator: tuple[str, int] = ("127.0.0.1", 9451)
+    shards: int = 1
+    loss_policy: LossPolicy = "reliable"
+    timeout: float = 0.05  #: seconds before a use is retransmitted
+    retries: int = 3  #: zero-fill: retransmissions before a chunk is given up
+    deadline: float = 10.0  #: seconds without any answer before AggregatorUnreachable
+    window: int | None = None  #: uses in flight (default and maximum: the job's slots)
+    drop_up: float = 0.0  #: simulated loss of sent packets (seeded, for tests and experiments)
+    drop_down: float = 0.0  #: simulated loss of received packets
+    seed: int = 0
+    bind_host: str = "127.0.0.1"
+    multicast: str | None = None  #: GROUP:PORT to receive results from (thc-aggregator --multicast)
+    on_straggler: Callable[[int, int, int], None] | None = None  #: called with (slot, our round, slot's round)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        if not 0 <= self.worker < p.workers:
+            raise ValueError(f"worker id {self.worker} is not in 0..{p.workers - 1}")
+        if self.loss_policy not in ("reliable", "zero-fill"):
+            raise ValueError(f"loss_policy must be 'reliable' or 'zero-fill', got {self.loss_policy!r}")
+        for name in ("drop_up", "drop_down"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1)")
+        if self.timeout <= 0 or self.deadline <= 0:
+            raise ValueError("timeout and deadline must be positive")
+        if self.window is not None and not 1 <= self.window <= p.slots:
+            raise ValueError(f"window must be in 1..slots={p.slots}")
+
+
+@dataclass
+class TransportStats:
+    """Counters of one worker's transport (cumulative)."""
+
+    packets_sent: int = 0
+    retransmissions: int = 0
+    results: int = 0
+    stragglers: int = 0
+    lost_chunks: int = 0
+    dropped_up: int = 0
+    dropped_down: int = 0
+    unexpected: int = 0
+    multicast_results: int = 0  #: results that came through the job's multicast group
+    lost: list[tuple[int, int]] = field(default_factory=list)  #: (tensor, chunk) given up
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: v for k, v in self.__dict__.items() if k != "lost"}
+
+
+@dataclass
+class UseResults:
+    """Answers to a run of uses: sums (or norm bits), contributor counts, bitmaps, and what was lost."""
+
+    sums: np.ndarray  #: (C, K) int64 (DATA) or (C,) int64 norm bits (NORM)
+    contributors: np.ndarray  #: (C,) int64, 0 where lost
+    bitmap: np.ndarray  #: (C,) int64
+    lost: np.ndarray  #: (C,) bool
+
+
+class Transport:
+    """A worker's UDP endpoint to the aggregator (one socket, all shards)."""
+
+    def __init__(self, cfg: TransportConfig) -> None:
+        self.cfg = cfg
+        p = cfg.params
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        self.sock.bind((cfg.bind_host, 0))
+        self.sock.setblocking(False)
+        self.socks = [self.sock]
+        if cfg.multicast:
+            self.socks.append(_multicast_socket(cfg.multicast, cfg.bind_host))
+        self.next_use = 0
+        self.slot_round = [0] * p.slots
+        self.stats = TransportStats()
+        self._rng = np.random.default_rng([cfg.seed, cfg.worker])
+        self._rbuf = bytearray(65536)
+        self._dests = [(cfg.aggregator[0], cfg.aggregator[1] + i) for i in range(cfg.shards)]
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.sock.getsockname()
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- low-level calls (numpy only) --------------------------------------------------------------
+    def exchange_indices(self, indices: np.ndarray, *, tensor: int = 0) -> UseResults:
+        """Send b-bit indices (any length; padded with index 0 to chunks of K) and return the sums.
+
+        Index 0 stands for table value 0, so the padding adds nothing.
+        """
+        p = self.cfg.params
+        if p.kind != "thc":
+            raise ValueError("exchange_indices needs a THC job; use exchange_int32")
+        idx = np.asarray(indices, np.uint8).reshape(-1)
+        chunks = max(1, math.ceil(idx.size / p.elems))
+        padded = np.zeros(chunks * p.elems, np.uint8)
+        padded[: idx.size] = idx
+        payload = pack_indices_np(padded.reshape(chunks, p.elems), p.bits)
+        return self.run_uses(PacketType.DATA, payload, tensor=tensor)
+
+    def exchange_int32(self, values: np.ndarray, *, tensor: int = 0) -> UseResults:
+        """Uncompressed jobs: send int32 fixed-point values and return their int32 sums."""
+        p = self.cfg.params
+        v = np.asarray(values, np.int64).reshape(-1)
+        chunks = max(1, math.ceil(v.size / p.elems))
+        padded = np.zeros(chunks * p.elems, ">i4")
+        padded[: v.size] = v
+        return self.run_uses(PacketType.DATA, padded.view(np.uint8).reshape(chunks, -1), tensor=tensor)
+
+    def exchange_norm(self, norm: float, *, tensor: int = 0) -> tuple[float, int]:
+        """Norm stage: publish this worker's norm, return (the job's max norm, contributors).
+
+        Always retransmitted until it completes (it is a barrier), whatever the loss policy.
+        """
+        if not (math.isfinite(norm) and norm >= 0):
+            raise ValueError(f"a norm must be finite and non-negative, got {norm}")
+        payload = np.frombuffer(float_bits(norm).to_bytes(4, "big"), np.uint8)[None, :]
+        res = self.run_uses(PacketType.NORM, payload, tensor=tensor, policy="reliable")
+        bits = int(res.sums[0])
+        return float(np.array([bits], ">u4").view(">f4")[0]), int(res.contributors[0])
+
+    # -- the engine --------------------------------------------------------------------------------
+    def run_uses(self, typ: PacketType, payloads: np.ndarray, *, tensor: int = 0,
+                 policy: LossPolicy | None = None) -> UseResults:
+        """Send one use per payload row (the next uses of the pool) and collect their answers."""
+        cfg, p = self.cfg, self.cfg.params
+        policy = policy or cfg.loss_policy
+        count = payloads.shape[0]
+        is_norm = typ == PacketType.NORM
+        # Assign slots and rounds in use order.
+        slots = np.empty(count, np.int64)
+        rounds = np.empty(count, np.int64)
+        for i in range(count):
+            s = (self.next_use + i) % p.slots
+            slots[i] = s
+            rounds[i] = self.slot_round[s]
+            self.slot_round[s] = (self.slot_round[s] + 1) & _ROUND_MASK
+        self.next_use += count
+        hdr = {"version": VERSION, "type": int(typ), "job": p.job, "key": p.key, "table_id": p.table_id,
+               "worker": cfg.worker, "slot": slots, "round": rounds, "tensor": tensor,
+               "chunk": np.arange(count), "elems": 1 if is_norm else p.elems,
+               "width": 32 if is_norm else p.data_width}
+        pkts = build_batch(hdr, payloads)
+        rows = [pkts[i].tobytes() for i in range(count)]
+        k = 1 if is_norm else p.elems
+        sums = np.zeros(count if is_norm else (count, k), np.int64)
+        contrib = np.zeros(count, np.int64)
+        bitmap = np.zeros(count, np.int64)
+        lost = np.zeros(count, bool)
+        done = np.zeros(count, bool)
+        sent_at = np.zeros(count)
+        tries = np.zeros(count, np.int64)
+        window = min(cfg.window or p.slots, p.slots)
+        by_slot: dict[int, int] = {}
+        base = nxt = 0
+        last_answer = time.monotonic()
+        want_type = PacketType.NORM_RESULT if is_norm else PacketType.RESULT
+        signed = p.kind == "uncompressed"
+        rdt = np.dtype({8: ">u1", 16: ">u2", 32: ">u4"}[32 if is_norm else p.result_bits])
+        while base < count:
+            now = time.monotonic()
+            while nxt < count and nxt < base + window:
+                by_slot[int(slots[nxt])] = nxt
+                self._send(rows[nxt], int(slots[nxt]))
+                sent_at[nxt] = now
+                nxt += 1
+            # Retransmit or give up what timed out.
+            due = base + np.flatnonzero(~done[base:nxt] & (now - sent_at[base:nxt] >= cfg.timeout))
+            for i in due.tolist():
+                if policy == "zero-fill" and tries[i] >= cfg.retries:
+                    self._finish_lost(i, int(slots[i]), tensor, done, lost, by_slot)
+                    continue
+                tries[i] += 1
+                self.stats.retransmissions += 1
+                self._send(rows[i], int(slots[i]))
+                sent_at[i] = now
+            if now - last_answer > cfg.deadline:
+                host, port = cfg.aggregator
+                raise AggregatorUnreachable(
+                    f"worker {cfg.worker}: no answer from the aggregator at {host}:{port} (shards={cfg.shards}) "
+                    f"for {cfg.deadline:.1f} s: is thc-aggregator running there with job {p.job}, this key and "
+                    f"table, and are the job's other workers sending?")
+            while base < count and done[base]:
+                base += 1
+            if base >= count or (nxt < count and nxt < base + window):
+                continue
+            pending = sent_at[base:nxt][~done[base:nxt]]
+            wait = max(0.0, min(cfg.timeout, float(pending.min()) + cfg.timeout - now) if pending.size else 0.0)
+            ready, _, _ = select.select(self.socks, [], [], max(wait, 0.0005))
+            for s in ready:
+                while True:
+                    try:
+                        nbytes = s.recv_into(self._rbuf)
+                    except BlockingIOError:
+                        break
+                    if cfg.drop_down and self._rng.random() < cfg.drop_down:
+                        self.stats.dropped_down += 1
+                        continue
+                    if nbytes < HEADER_BYTES:
+                        self.stats.unexpected += 1
+                        continue
+                    f = _HDR.unpack_from(self._rbuf)
+                    (_v, ftyp, fjob, fkey, _t, _w, fcontrib, fslot, fround, _tensor, _chunk, felems, fwidth,
+                     _flags, fbitmap) = f
+                    if fjob != p.job or fkey != p.key:
+                        self.stats.unexpected += 1
+                        continue
+                    i = by_slot.get(fslot)
+                    if i is None or done[i]:
+                        self.stats.unexpected += 1
+                        continue
+                    last_answer = time.monotonic()
+                    if ftyp == PacketType.STRAGGLER:
+                        ours = int(rounds[i])
+                        if ((fround - ours) & _ROUND_MASK) not in range(1, 1 << (ROUND_BITS - 1)):
+                            self.stats.unexpected += 1
+                            continue
+                        self.stats.stragglers += 1
+                        if cfg.on_straggler is not None:
+                            cfg.on_straggler(fslot, ours, fround)
+                        self._finish_lost(i, fslot, tensor, done, lost, by_slot)
+                        continue
+                    if ftyp != want_type or fround != rounds[i] or felems != k or \
+                            nbytes != HEADER_BYTES + k * rdt.itemsize or fwidth != rdt.itemsize * 8:
+                        self.stats.unexpected += 1
+                        continue
+                    vals = np.frombuffer(self._rbuf, rdt, count=k, offset=HEADER_BYTES)
+                    if is_norm:
+                        sums[i] = int(vals[0])
+                    elif signed:
+                        sums[i] = vals.astype(np.uint32).view(np.int32)
+                    else:
+                        sums[i] = vals
+                    contrib[i] = fcontrib
+                    bitmap[i] = fbitmap
+                    done[i] = True
+                    by_slot.pop(fslot, None)
+                    self.stats.results += 1
+                    if s is not self.sock:
+                        self.stats.multicast_results += 1
+        return UseResults(sums, contrib, bitmap, lost)
+
+    def _finish_lost(self, i: int, slot: int, tensor: int, done: np.ndarray, lost: np.ndarray,
+                     by_slot: dict[int, int]) -> None:
+        done[i] = True
+        lost[i] = True
+        by_slot.pop(slot, None)
+        self.stats.lost_chunks += 1
+        self.stats.lost.append((tensor, i))
+
+    def _send(self, data: bytes, slot: int) -> None:
+        cfg = self.cfg
+        self.stats.packets_sent += 1
+        if cfg.drop_up and self._rng.random() < cfg.drop_up:
+            self.stats.dropped_up += 1
+            return
+        try:
+            self.sock.sendto(data, self._dests[slot % cfg.shards])
+        except (BlockingIOError, ConnectionRefusedError):
+            pass  # a full buffer or an ICMP error: the timeout retransmits
+
+
+def _multicast_socket(spec: str, iface: str) -> socket.socket:
+    host, _, port = spec.rpartition(":")
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, int(port)))
+    mreq = socket.inet_aton(host) + socket.inet_aton(iface)
+    s.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
+    s.setblocking(False)
+    return s
