@@ -1,28 +1,37 @@
-"""Tensor Homomorphic Compression: RHT, optimal lookup tables, stochastic quantization, error feedback."""
+"""Tensor Homomorphic Compression: RHT, optimal lookup tables, stochastic quantization, error feedback.
 
-from worker_lib.thc.codec import (
-    Encoded,
-    THCCodec,
-    THCConfig,
-    THCWorker,
-    table_decode,
-    table_encode,
-    uniform_encode,
-)
-from worker_lib.thc.hadamard import RandomizedHadamard, fwht, next_pow2
-from worker_lib.thc.quantize import lookup_sum, pack_indices, packed_size, unpack_indices
-from worker_lib.thc.signs import SignKey, rademacher
-from worker_lib.thc.table import (
-    LookupTable,
-    solve_table,
-    table_objective,
-    truncation_threshold,
-    uniform_table,
-)
+Names are imported lazily (PEP 562): an aggregator that only needs ``solve_table`` does not pay for
+importing torch.
+"""
 
-__all__ = [
-    "Encoded", "LookupTable", "RandomizedHadamard", "SignKey", "THCCodec", "THCConfig", "THCWorker",
-    "fwht", "lookup_sum", "next_pow2", "pack_indices", "packed_size", "rademacher", "solve_table",
-    "table_decode", "table_encode", "table_objective", "truncation_threshold", "uniform_encode",
-    "uniform_table", "unpack_indices",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Encoded": "codec", "THCCodec": "codec", "THCConfig": "codec", "THCWorker": "codec",
+    "table_decode": "codec", "table_encode": "codec", "uniform_encode": "codec",
+    "RandomizedHadamard": "hadamard", "fwht": "hadamard", "next_pow2": "hadamard",
+    "lookup_sum": "quantize", "pack_indices": "quantize", "packed_size": "quantize",
+    "unpack_indices": "quantize",
+    "SignKey": "signs", "rademacher": "signs",
+    "LookupTable": "table", "solve_table": "table", "table_objective": "table",
+    "truncation_threshold": "table", "uniform_table": "table",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
