@@ -1,0 +1,213 @@
+"""DDP step time on an emulated network: THC vs the aggregator's int32 job vs gloo all_reduce (not a timed test).
+
+Every worker and the aggregator run in their own network namespace (topologies.netem), every link
+shaped by tc tbf to each ``--rates`` value; each worker is one torchrun node running
+examples/train_ddp.py unchanged (``--nnodes N``). For each rate it runs
+
+- ``thc``           THC 4-bit indices through ``thc-aggregator`` (results by unicast fan-out),
+- ``thc-mcast``     the same with results by IP multicast,
+- ``int32``         the aggregator's uncompressed job (int32 fixed point, SwitchML style), unicast,
+- ``int32-mcast``   the same by multicast,
+- ``gloo``          ordinary DDP: gloo's all_reduce over TCP,
+
+and prints per-step time, training throughput (samples/s), the ratio to gloo, and where the time
+goes: forward, backward (which waits for the exchange), the hook's encode / network / decode time,
+the aggregator's CPU time per step, and the time the bytes need on the link at that rate. With
+``--plot`` it draws throughput against link bandwidth (like Figure 6 of the THC paper).
+
+    sudo .venv/bin/python -m benchmarks.ddp_netem --rates 1000,10000 --steps 6 --plot ddp_netem.png  # repo root
+
+Needs root (exits with the reason otherwise). All namespaces are removed at the end, also on errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from aggregator.jobs import JobConfig
+from topologies.netem import NetemConfig, NetemError, Topology, require_root
+from topologies.netem.ddp import run_training, start_aggregator
+
+MODES = ("thc", "thc-mcast", "int32", "int32-mcast", "gloo")
+GROUP = "239.5.5.5:9700"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One measured configuration."""
+
+    rate_mbit: float
+    mode: str
+
+
+def model_args(args: argparse.Namespace) -> list[str]:
+    return ["--width", str(args.width), "--layers", str(args.layers), "--in-features", str(args.in_features),
+            "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--lr", "0.01", "--deadline", "60"]
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (and its reaped children) in seconds, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = sum(int(x) for x in fields[11:15])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def measure(net: Topology, run: Run, job: int, args: argparse.Namespace, agg_pid: int | None,
+            tmp: Path) -> dict:
+    out = tmp / f"{run.mode}-{run.rate_mbit:g}.json"
+    extra: list[str] = ["--compression", "none"]
+    if run.mode != "gloo":
+        extra = ["--compression", "thc" if run.mode.startswith("thc") else "uncompressed", "--job-id", str(job),
+                 "--aggregator", f"{net.address('agg')}:9451"]
+        if run.mode.endswith("mcast"):
+            extra += ["--multicast", GROUP]
+    cpu0 = cpu_seconds(agg_pid) if agg_pid else 0.0
+    t0 = time.perf_counter()
+    res = run_training(net, [*model_args(args), *extra, "--json-out", str(out)], timeout=args.run_timeout,
+                       master_port=29500 + job)
+    wall = time.perf_counter() - t0
+    agg_cpu = (cpu_seconds(agg_pid) - cpu0) if agg_pid else 0.0
+    bad = [r for r in res if r.returncode != 0]
+    if bad or not out.exists():
+        tail = "\n".join(f"--- {r.node} (exit {r.returncode})\n{r.output[-2500:]}" for r in (bad or res))
+        raise RuntimeError(f"{run.mode} at {run.rate_mbit:g} Mbit/s failed:\n{tail}")
+    s = json.loads(out.read_text())
+    hook = s["hook"][0]
+    steps = s["steps"]
+    per = hook.get("per_timed_step", {})  # the hook's counters over the timed steps, per step
+    per = {k: per.get(k, 0.0) for k in ("encode_s", "network_s", "decode_s", "bytes_sent")}
+    sent = per["bytes_sent"]  # payload bytes one worker sends per step
+    return {"rate_mbit": run.rate_mbit, "mode": run.mode, "workers": s["world_size"], "parameters": s["parameters"],
+            "step_s": s["step_s"], "forward_s": s["forward_s"], "backward_s": s["backward_s"],
+            "optimizer_s": s["optimizer_s"], "samples_per_s": s["world_size"] * args.batch_size / s["step_s"],
+            "hook_encode_s": per["encode_s"], "hook_network_s": per["network_s"], "hook_decode_s": per["decode_s"],
+            "payload_bytes_up": sent, "link_up_s": sent * 8 / (run.rate_mbit * 1e6),
+            "aggregator_cpu_s": agg_cpu / steps, "identical": s["identical"], "final_loss": s["final_loss"],
+            "retransmissions": hook.get("transport_retransmissions", 0), "wall_s": wall}
+
+
+def run_all(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ddp-netem-") as tmpd:
+        tmp = Path(tmpd)
+        for rate in args.rates:
+            loss = {f"w{i}": args.loss for i in range(args.workers)} if args.loss else {}
+            cfg = NetemConfig(workers=args.workers, rate_mbit=rate, qdisc=args.qdisc, loss_percent=loss,
+                              loss_udp_only=args.loss_udp_only, prefix="thcbench")
+            with Topology(cfg) as net:
+                modes = [m for m in args.modes if m != "gloo"]
+                jobs = {m: 10 + i for i, m in enumerate(modes)}
+                agg = None
+                if jobs:
+                    agg = start_aggregator(net, [
+                        JobConfig(job=j, workers=args.workers, kind="thc" if m.startswith("thc") else "uncompressed",
+                                  multicast=GROUP if m.endswith("mcast") else None) for m, j in jobs.items()],
+                        multicast=any(m.endswith("mcast") for m in modes))
+                for mode in args.modes:
+                    row = measure(net, Run(rate, mode), jobs.get(mode, 9), args, agg.pid if agg else None, tmp)
+                    rows.append(row)
+                    print(f"  {rate:>7g} Mbit/s {mode:<12} step {row['step_s'] * 1e3:8.1f} ms  "
+                          f"{row['samples_per_s']:8.1f} samples/s  (wall {row['wall_s']:.0f} s)", flush=True)
+    return rows
+
+
+def report(rows: list[dict]) -> None:
+    gloo = {r["rate_mbit"]: r["step_s"] for r in rows if r["mode"] == "gloo"}
+    print(f"\nDDP on an emulated network: {rows[0]['workers']} workers, {rows[0]['parameters']:,} parameters, "
+          "each node and the aggregator in its own namespace, links shaped by tc (both directions)")
+    print(f"{'rate':>8} {'mode':<12} {'step ms':>8} {'x gloo':>7} {'samples/s':>9} | {'fwd':>6} {'bwd':>7} "
+          f"{'encode':>7} {'network':>8} {'decode':>7} {'agg cpu':>8} {'link up':>8} {'MB up':>6} {'retx':>5} same")
+    for r in rows:
+        ratio = gloo.get(r["rate_mbit"])
+        print(f"{r['rate_mbit']:>8g} {r['mode']:<12} {r['step_s'] * 1e3:8.1f} "
+              f"{(r['step_s'] / ratio if ratio else float('nan')):7.2f} {r['samples_per_s']:9.1f} | "
+              f"{r['forward_s'] * 1e3:6.1f} {r['backward_s'] * 1e3:7.1f} {r['hook_encode_s'] * 1e3:7.1f} "
+              f"{r['hook_network_s'] * 1e3:8.1f} {r['hook_decode_s'] * 1e3:7.1f} {r['aggregator_cpu_s'] * 1e3:8.1f} "
+              f"{r['link_up_s'] * 1e3:8.1f} {r['payload_bytes_up'] / 1e6:6.2f} {r['retransmissions']:>5} "
+              f"{r['identical']}")
+    print("(ms per step; 'x gloo' = step time / gloo's at the same rate; fwd/bwd from the training loop, backward "
+          "includes waiting for the exchange; encode/network/decode: the hook's thread; agg cpu: aggregator CPU "
+          "time per step; link up: one worker's DATA payload at the link rate. gloo's traffic is not counted.)")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Throughput vs link bandwidth, one line per mode (the shape of THC's Figure 6)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in MODES:
+        pts = sorted((r["rate_mbit"] / 1000, r["samples_per_s"]) for r in rows if r["mode"] == mode)
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker="o", label=mode)
+    ax.set_xscale("log")
+    ax.set_xlabel("link bandwidth (Gbit/s)")
+    ax.set_ylabel("training throughput (samples/s)")
+    ax.set_title(f"DDP, {rows[0]['workers']} workers, {rows[0]['parameters'] / 1e6:.1f} M parameters (emulated links)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ddp_netem", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1000.0, 10000.0],
+                   help="link rates in Mbit/s, comma-separated")
+    p.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES), help=f"subset of {','.join(MODES)}")
+    p.add_argument("--workers", type=int, default=2, help="worker namespaces (one rank each)")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2, help="steps excluded from the step time")
+    p.add_argument("--width", type=int, default=2030, help="MLP width (2030 x 2 layers: 4.19 M parameters, "
+                                                           "one DDP bucket just under 2^22 coordinates)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--in-features", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--qdisc", choices=("tbf", "htb"), default="tbf")
+    p.add_argument("--loss", type=float, default=0.0,
+                   help="random loss in %% per direction on every worker's link (netem, or nftables: whole %%)")
+    p.add_argument("--loss-udp-only", action="store_true", help="drop only UDP (gloo's TCP and the rendezvous "
+                                                                 "are spared)")
+    p.add_argument("--run-timeout", type=float, default=300.0, help="seconds for one configuration")
+    p.add_argument("--plot", type=Path, help="write the throughput-vs-bandwidth plot here (PNG)")
+    p.add_argument("--json", type=Path, help="write the rows here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    unknown = set(args.modes) - set(MODES)
+    if unknown:
+        print(f"ddp_netem: unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}", file=sys.stderr)
+        return 2
+    why = require_root()
+    if why:
+        print(f"ddp_netem: skipped: {why}", file=sys.stderr)
+        return 2
+    try:
+        rows = run_all(args)
+    except (NetemError, RuntimeError) as exc:
+        print(f"ddp_netem: {exc}", file=sys.stderr)
+        return 1
+    report(rows)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""Train a model with PyTorch DDP, gradients averaged through a THC aggregator (or plain gloo/NCCL).
+
+One machine, four processes, rank 0 starts ``thc-aggregator`` on loopback::
+
+    torchrun --nproc-per-node 4 examples/train_ddp.py --steps 100 --compression thc
+
+Several machines (the same command on each, rank 0's node starts the aggregator on the address
+that routes to the rendezvous host, or pass ``--aggregator HOST:PORT`` of a running one or a switch)::
+
+    torchrun --nnodes 2 --node-rank R --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 \\
+        examples/train_ddp.py --steps 100 --compression thc
+
+``--compression none`` is ordinary DDP (the process group's all_reduce); ``thc`` and
+``uncompressed`` (int32 fixed point through the aggregator's uncompressed job type) register the
+hook of ``worker_lib.ddp``. The task is a synthetic regression (a fixed random teacher network;
+each rank draws its own batches), so it needs no data set. At the end rank 0 prints the final
+loss (mean over ranks) and whether all ranks hold identical parameters; ``--json-out`` writes the
+losses, step times, where the time went, and the hook's counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import hashlib
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from aggregator.jobs import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig
+from worker_lib.ddp import AggregatorUnreachable, DDPHookConfig, THCHookState, register_thc_hook
+
+log = logging.getLogger("train_ddp")
+_STORE_KEY = "thc/aggregator"
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train_ddp.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="DDP training of a synthetic regression MLP with gradients averaged through a THC "
+                    "aggregator (--compression thc), through the aggregator's int32 fixed-point job "
+                    "(uncompressed), or by the process group (none). Launch with torchrun.",
+        epilog="Without --aggregator, rank 0 starts thc-aggregator (loopback on a single node, otherwise "
+               "on its address towards --master-addr) and publishes HOST:PORT and the job through the "
+               "torch.distributed store.")
+    p.add_argument("--steps", type=int, default=50, help="training steps")
+    p.add_argument("--compression", choices=("none", "thc", "uncompressed"), default="thc")
+    p.add_argument("--aggregator", metavar="HOST:PORT", help="a running thc-aggregator (or switch) to use")
+    p.add_argument("--aggregator-host", help="address rank 0's aggregator binds to (default: see epilog)")
+    p.add_argument("--bind-host", help="this worker's local address for the aggregator traffic "
+                                       "(default: the address that routes to the aggregator)")
+    p.add_argument("--job-id", type=int, default=DEFAULT_JOB_ID, help="aggregator job id")
+    p.add_argument("--key", type=lambda s: int(s, 0), default=DEFAULT_KEY, help="the job's 32-bit key")
+    p.add_argument("--bits", type=int, default=4, help="THC bits per coordinate b")
+    p.add_argument("--granularity", type=int, default=30, help="THC granularity g")
+    p.add_argument("--p", type=float, default=1 / 32, help="THC table parameter p")
+    p.add_argument("--slots", type=int, default=128, help="aggregator slots S of the job")
+    p.add_argument("--elems", type=int, help="indices per packet K (default: the aggregator's, MTU-bound)")
+    p.add_argument("--shards", type=int, default=1, help="aggregator shards (ports PORT..PORT+P-1)")
+    p.add_argument("--multicast", metavar="GROUP:PORT", help="results by IP multicast to this group")
+    p.add_argument("--loss-policy", choices=("reliable", "zero-fill"), default="reliable")
+    p.add_argument("--timeout", type=float, default=0.05, help="retransmission timeout, seconds")
+    p.add_argument("--deadline", type=float, default=10.0,
+                   help="seconds without any answer from the aggregator before failing")
+    p.add_argument("--no-error-feedback", action="store_true", help="disable THC's error feedback")
+    p.add_argument("--no-overlap", action="store_true", help="exchange inside the hook, not on a thread")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
+    p.add_argument("--width", type=int, default=64, help="hidden layer width of the MLP")
+    p.add_argument("--layers", type=int, default=2, help="hidden layers of the MLP")
+    p.add_argument("--in-features", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=32, help="samples per rank and step")
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter and gradient dtype")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per local rank")
+    p.add_argument("--backend", help="process group backend (default: nccl on cuda, gloo on cpu)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1, help="steps excluded from the step-time figures")
+    p.add_argument("--check-every-step", action="store_true",
+                   help="compare a digest of the parameters of all ranks after every step")
+    p.add_argument("--log-every", type=int, default=0, help="rank 0 prints 'step N loss L' every N steps")
+    p.add_argument("--json-out", type=Path, help="rank 0 writes the run's summary here")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    return p
+
+
+def make_model(args: argparse.Namespace) -> nn.Module:
+    """An MLP; the same seed on every rank (DDP broadcasts rank 0's parameters anyway)."""
+    torch.manual_seed(args.seed)
+    layers: list[nn.Module] = []
+    width = args.in_features
+    for _ in range(args.layers):
+        layers += [nn.Linear(width, args.width), nn.Tanh()]
+        width = args.width
+    layers.append(nn.Linear(width, 1))
+    return nn.Sequential(*layers)
+
+
+def teacher(args: argparse.Namespace) -> torch.Tensor:
+    """Weights of the fixed target function y = tanh(x @ w1) @ w2 (the same on all ranks)."""
+    g = torch.Generator().manual_seed(10_000 + args.seed)
+    return torch.randn(args.in_features, 8, generator=g) / args.in_features ** 0.5
+
+
+def batch(args: argparse.Namespace, w: torch.Tensor, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank's batch of a step: x ~ N(0, I), y = sum(tanh(x @ w)) (deterministic per rank and step)."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 65_537 + step)
+    x = torch.randn(args.batch_size, args.in_features, generator=g)
+    return x, torch.tanh(x @ w).sum(1, keepdim=True)
+
+
+def params_digest(model: nn.Module) -> str:
+    """SHA-256 of every parameter's bytes: equal digests mean bit-identical replicas."""
+    h = hashlib.sha256()
+    for prm in model.parameters():
+        h.update(prm.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def route_address(target: str) -> str:
+    """The local IPv4 address the kernel would use to reach ``target`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((target, 9))
+        return s.getsockname()[0]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no orphan aggregator if this rank dies
+
+
+@contextlib.contextmanager
+def start_aggregator(job: JobConfig, host: str, shards: int, multicast: bool,
+                     timeout: float = 60.0) -> Iterator[tuple[str, int]]:
+    """Run ``thc-aggregator`` serving ``job`` on ``host`` (free port) for the block; yields (host, port)."""
+    spec = ",".join(f"{k}={':'.join(map(str, v)) if isinstance(v, list) else v}" for k, v in job.to_dict().items())
+    cmd = [sys.executable, "-m", "aggregator.cli", "--host", host, "--port", "0", "--shards", str(shards),
+           "--job", spec]
+    if multicast:
+        cmd.append("--multicast")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        line = proc.stdout.readline() if ready and proc.stdout else ""
+        if "listening on" not in line:
+            raise RuntimeError(f"thc-aggregator did not start within {timeout:.0f} s "
+                               f"(exit code {proc.poll()}): {line.strip()!r}")
+        port = int(line.split()[3].rsplit(":", 1)[1])
+        log.info("started thc-aggregator on %s:%d (pid %d)", host, port, proc.pid)
+        yield host, port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def job_config(args: argparse.Namespace, world: int) -> JobConfig:
+    return JobConfig(job=args.job_id, key=args.key, workers=world, kind=args.compression, bits=args.bits,
+                     granularity=args.granularity, p=args.p, slots=args.slots, elems=args.elems,
+                     multicast=args.multicast)
+
+
+def hook_config(args: argparse.Namespace, job: JobConfig, host: str, port: int) -> DDPHookConfig:
+    bind = args.bind_host or ("127.0.0.1" if host.startswith("127.") else route_address(host))
+    return DDPHookConfig(aggregator=(host, port), job=job.job, key=job.key, kind=job.kind, bits=job.bits,
+                         granularity=job.granularity, p=job.p, result_bits=int(job.result_bits), slots=job.slots,
+                         elems=int(job.elems), shards=args.shards, loss_policy=args.loss_policy,
+                         timeout=args.timeout, deadline=args.deadline, multicast=args.multicast, bind_host=bind,
+                         error_feedback=not args.no_error_feedback, overlap=not args.no_overlap, seed=args.seed)
+
+
+def publish_aggregator(args: argparse.Namespace, stack: contextlib.ExitStack, rank: int, world: int,
+                       single_node: bool) -> tuple[str, int]:
+    """Rank 0 starts an aggregator (unless --aggregator) and publishes HOST:PORT through the store."""
+    if args.aggregator:
+        host, _, port = args.aggregator.rpartition(":")
+        return host, int(port)
+    store = dist.distributed_c10d._get_default_store()  # the rendezvous store torchrun made
+    if rank == 0:
+        host = args.aggregator_host or ("127.0.0.1" if single_node
+                                        else route_address(os.environ.get("MASTER_ADDR", "127.0.0.1")))
+        where = stack.enter_context(start_aggregator(job_config(args, world), host, args.shards,
+                                                     multicast=bool(args.multicast)))
+        store.set(_STORE_KEY, f"{where[0]}:{where[1]}")
+    store.wait([_STORE_KEY], timedelta(seconds=120))
+    host, _, port = store.get(_STORE_KEY).decode().rpartition(":")
+    return host, int(port)
+
+
+def train(args: argparse.Namespace) -> dict:
+    """The training loop of one rank; returns rank 0's summary (others: {})."""
+    torch.set_num_threads(args.threads)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    dist.init_process_group(backend, timeout=timedelta(seconds=max(120.0, 6 * args.deadline)))
+    try:
+        return _run(args, rank, world, local_world, device)
+    finally:
+        # DDP (and its reducer's gloo work) must be gone before the process group is destroyed: destroying
+        # the group under a live DDP aborted a rank now and then ("terminate called without an active
+        # exception") and left the other nodes' torchrun agents waiting.
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def _run(args: argparse.Namespace, rank: int, world: int, local_world: int, device: torch.device) -> dict:
+    summary: dict = {}
+    with contextlib.ExitStack() as stack:
+        dtype = _DTYPES[args.dtype]
+        model = make_model(args).to(device=device, dtype=dtype)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+        state: THCHookState | None = None
+        if args.compression != "none":
+            host, port = publish_aggregator(args, stack, rank, world, single_node=local_world == world)
+            cfg = hook_config(args, job_config(args, world), host, port)
+            state = register_thc_hook(ddp, cfg)
+            stack.callback(state.close)
+        opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
+        w = teacher(args)
+        losses: list[float] = []
+        identical_steps: list[bool] = []
+        times = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0, "step_s": 0.0}
+        timed = 0
+        base: dict[str, float] = {}
+        for step in range(args.steps):
+            if step == args.warmup and state is not None:
+                base = state.stats.as_dict()  # the hook's counters before the timed steps
+            x, y = batch(args, w, rank, step)
+            t0 = time.perf_counter()
+            loss = nn.functional.mse_loss(ddp(x.to(device, dtype)).float(), y.to(device))
+            t1 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()  # waits for every bucket's future (the hook's exchange)
+            t2 = time.perf_counter()
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t3 = time.perf_counter()
+            if step >= args.warmup:
+                timed += 1
+                for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0), strict=True):
+                    times[k] += v
+            losses.append(float(loss.detach()))
+            if args.check_every_step:
+                digests: list[str | None] = [None] * world
+                dist.all_gather_object(digests, params_digest(model))
+                identical_steps.append(len(set(digests)) == 1)
+            if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
+                print(f"step {step + 1} loss {losses[-1]:.6f}", flush=True)
+        all_losses: list[list[float] | None] = [None] * world
+        dist.all_gather_object(all_losses, losses)
+        digests = [None] * world
+        dist.all_gather_object(digests, params_digest(model))
+        hook_stats: list[dict | None] = [None] * world
+        mine: dict = {}
+        if state is not None:
+            now = state.stats.as_dict()
+            mine = {**now, **{f"transport_{k}": v for k, v in state.transport.stats.as_dict().items()},
+                    "per_timed_step": {k: (v - base.get(k, 0)) / max(timed, 1) for k, v in now.items()}}
+        dist.all_gather_object(hook_stats, mine)
+        if rank == 0:
+            mean_losses = [sum(ls[s] for ls in all_losses) / world for s in range(args.steps)]  # type: ignore[index]
+            summary = {
+                "compression": args.compression, "world_size": world, "steps": args.steps, "dtype": args.dtype,
+                "parameters": sum(p.numel() for p in model.parameters()), "losses": mean_losses,
+                "final_loss": mean_losses[-1] if mean_losses else float("nan"),
+                "identical": len(set(digests)) == 1, "identical_every_step": identical_steps,
+                "timed_steps": timed, **{k: v / max(timed, 1) for k, v in times.items()},
+                "hook": hook_stats, "aggregator": list(state.config.aggregator) if state else None,
+                "multicast": args.multicast,
+            }
+        dist.barrier()  # nobody stops the aggregator while a rank still needs it
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"),
+                        format="%(asctime)s rank" + os.environ.get("RANK", "?") + " %(name)s %(message)s")
+    if "RANK" not in os.environ:
+        print("train_ddp.py: run me with torchrun (RANK/WORLD_SIZE are not set), e.g. "
+              "torchrun --nproc-per-node 2 examples/train_ddp.py --steps 20", file=sys.stderr)
+        return 2
+    try:
+        summary = train(args)
+    except AggregatorUnreachable as exc:
+        print(f"train_ddp.py rank {os.environ['RANK']}: the THC aggregator is unreachable: {exc}", file=sys.stderr)
+        return 3
+    except RuntimeError as exc:
+        if "no answer from the aggregator" in str(exc):  # raised through DDP's future: same cause
+            print(f"train_ddp.py rank {os.environ['RANK']}: the THC aggregator is unreachable: {exc}",
+                  file=sys.stderr)
+            return 3
+        raise
+    if summary:
+        print(f"final loss {summary['final_loss']:.6f} after {summary['steps']} steps "
+              f"({summary['compression']}, {summary['world_size']} ranks, {summary['parameters']:,} parameters); "
+              f"identical parameters on all ranks: {summary['identical']}; "
+              f"step time {summary['step_s'] * 1e3:.1f} ms", flush=True)
+        if args.json_out:
+            args.json_out.write_text(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

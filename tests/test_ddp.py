@@ -1,0 +1,289 @@
+"""The DDP communication hook (worker_lib.ddp) and examples/train_ddp.py, through a real thc-aggregator.
+
+End-to-end tests launch the example with torchrun (2-3 ranks on loopback) in its own process group,
+killed in ``finally``; in-process tests drive ``THCHookState`` with a stand-in for DDP's GradBucket
+against an aggregator subprocess serving a one-worker job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from aggregator.jobs import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig
+from worker_lib.ddp import DEFAULT_JOB, DDPHookConfig, THCHookState
+from worker_lib.ddp import DEFAULT_KEY as HOOK_DEFAULT_KEY
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_ddp.py"
+#: The loss comparison: after STEPS steps, THC's mean loss over the last 5 steps is at most
+#: LOSS_TOLERANCE times the uncompressed DDP run's (plus a small absolute slack for tiny losses).
+STEPS = 30
+LOSS_TOLERANCE = 1.5
+LOSS_SLACK = 0.05
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def torchrun(ranks: int, *args: str, timeout: float = 150) -> tuple[int, str]:
+    """Run the example under torchrun; returns (exit code, stdout+stderr)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+           str(EXAMPLE), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    finally:
+        _kill_group(proc)
+
+
+def run_example(tmp_path: Path, compression: str, *extra: str, ranks: int = 2) -> dict:
+    out = tmp_path / f"{compression}.json"
+    rc, text = torchrun(ranks, "--steps", str(STEPS), "--compression", compression, "--check-every-step",
+                        "--bucket-cap-mb", "0.01", "--json-out", str(out), *extra)
+    assert rc == 0, text[-3000:]
+    assert "identical parameters on all ranks: True" in text
+    return json.loads(out.read_text())
+
+
+def tail_mean(losses: list[float], k: int = 5) -> float:
+    return sum(losses[-k:]) / k
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Ordinary DDP (gloo all_reduce) on the same task: the reference loss curve."""
+    return run_example(tmp_path_factory.mktemp("none"), "none")
+
+
+def test_thc_identical_every_step_and_loss_tracks_ddp(tmp_path: Path, baseline: dict) -> None:
+    """THC through a rank-0-started aggregator: bit-identical parameters on all ranks after every step,
+    and the loss falls like plain DDP's (within LOSS_TOLERANCE over STEPS steps)."""
+    s = run_example(tmp_path, "thc")
+    assert s["identical_every_step"] == [True] * STEPS and s["identical"] is True
+    hook = s["hook"][0]
+    # Several buckets per step (bucket cap 10 kB) and the first-iteration layout was rebuilt: every bucket
+    # of every step went through the aggregator.
+    assert hook["coordinates"] == STEPS * s["parameters"] and hook["buckets"] > STEPS
+    assert hook["lost_chunks"] == 0 and hook["bytes_sent"] > 0
+    first = baseline["losses"][0]
+    assert s["losses"][0] == pytest.approx(first)  # same data and initial parameters
+    thc, ref = tail_mean(s["losses"]), tail_mean(baseline["losses"])
+    assert ref < 0.5 * first, "the reference run did not learn: the comparison would mean nothing"
+    assert thc < LOSS_TOLERANCE * ref + LOSS_SLACK, (thc, ref)
+
+
+def test_uncompressed_job_matches_ddp(tmp_path: Path, baseline: dict) -> None:
+    """The aggregator's int32 fixed-point job gives (nearly) the float all_reduce's training curve."""
+    s = run_example(tmp_path, "uncompressed", ranks=2)
+    assert s["identical_every_step"] == [True] * STEPS
+    for a, b in zip(s["losses"], baseline["losses"], strict=True):
+        assert a == pytest.approx(b, rel=1e-3, abs=1e-5)
+
+
+def _start_aggregator(*jobs: JobConfig) -> tuple[subprocess.Popen, int]:
+    """thc-aggregator serving ``jobs`` on a free loopback port, in its own process group."""
+    cmd = [sys.executable, "-m", "aggregator.cli", "--port", "0"]
+    for job in jobs:
+        cmd += ["--job", ",".join(f"{k}={':'.join(map(str, v)) if isinstance(v, list) else v}"
+                                  for k, v in job.to_dict().items())]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    line = proc.stdout.readline() if ready and proc.stdout else ""
+    if "listening on" not in line:
+        _kill_group(proc)
+        raise RuntimeError(f"thc-aggregator did not start: {line!r}")
+    return proc, int(line.split()[3].rsplit(":", 1)[1])
+
+
+def test_killed_aggregator_fails_clearly(tmp_path: Path) -> None:
+    """Killing the aggregator mid-run makes every rank fail with a clear error within the deadline, no hang."""
+    job = JobConfig(job=5, key=0xABCD, workers=3)
+    agg, port = _start_aggregator(job)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", str(EXAMPLE),
+           "--steps", "100000", "--compression", "thc", "--aggregator", f"127.0.0.1:{port}", "--job-id", "5",
+           "--key", "0xABCD", "--deadline", "2", "--log-every", "1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        seen = ""
+        limit = time.monotonic() + 120
+        while "step 3 " not in seen:  # training runs through the aggregator
+            assert time.monotonic() < limit and proc.poll() is None, seen[-3000:]
+            ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+            if ready:
+                seen += proc.stdout.readline()
+        os.killpg(agg.pid, signal.SIGKILL)
+        agg.wait(timeout=30)
+        killed_at = time.monotonic()
+        rest, _ = proc.communicate(timeout=90)
+        elapsed = time.monotonic() - killed_at
+        text = seen + rest
+        assert proc.returncode != 0
+        assert "the THC aggregator is unreachable" in text and f"127.0.0.1:{port}" in text, text[-3000:]
+        assert elapsed < 60, elapsed
+    finally:
+        _kill_group(proc)
+        _kill_group(agg)
+
+
+# -- in process: the hook's state with a stand-in for DDP's GradBucket ------------------------------------------
+class FakeBucket:
+    """What the hook reads of a ``dist.GradBucket``: index, flat buffer, parameters, is_last."""
+
+    def __init__(self, index: int, params: list[torch.nn.Parameter], last: bool) -> None:
+        self._index, self._params, self._last = index, params, last
+        self._buffer = torch.cat([p.grad.reshape(-1) for p in params])
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self._params
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+class OneWorkerJobs:
+    """A thc-aggregator serving one-worker jobs; each hook state gets a fresh job (its slots start at round 0)."""
+
+    KINDS = ("thc", "uncompressed")
+    PER_KIND = 12
+
+    def __init__(self) -> None:
+        self.jobs = {kind: [JobConfig(job=100 * (k + 1) + i, key=0x7700 + i, workers=1, kind=kind)
+                            for i in range(self.PER_KIND)] for k, kind in enumerate(self.KINDS)}
+        self.proc, self.port = _start_aggregator(*(j for js in self.jobs.values() for j in js))
+
+    def state(self, kind: str, **kw: object) -> THCHookState:
+        if not self.jobs[kind]:
+            raise RuntimeError("OneWorkerJobs: no fresh job left; raise PER_KIND")
+        job = self.jobs[kind].pop()
+        cfg = DDPHookConfig(aggregator=("127.0.0.1", self.port), job=job.job, key=job.key, kind=kind,
+                            result_bits=int(job.result_bits), elems=int(job.elems), deadline=5.0, **kw)
+        return THCHookState(cfg, rank=0, world_size=1)
+
+
+@pytest.fixture(scope="module")
+def one_worker() -> Iterator[OneWorkerJobs]:
+    jobs = OneWorkerJobs()
+    try:
+        yield jobs
+    finally:
+        _kill_group(jobs.proc)
+
+
+def _params(*sizes: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in sizes:
+        p = torch.nn.Parameter(torch.zeros(n, dtype=dtype))
+        p.grad = torch.randn(n, generator=g).to(dtype)
+        out.append(p)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_hook_dtypes_one_worker(one_worker: OneWorkerJobs, dtype: torch.dtype) -> None:
+    """float32/float16/bfloat16 buckets come back in their dtype and shape, averaging one worker's gradient
+    (THC's error is small; the uncompressed job is exact up to fixed point and the dtype)."""
+    params = _params(3000, 1200, dtype=dtype)
+    for kind, tol in (("thc", 0.35), ("uncompressed", 1e-6)):
+        with one_worker.state(kind) as st:
+            bucket = FakeBucket(0, params, last=True)
+            grad = bucket.buffer().clone().float()
+            out = st.submit(bucket).wait()
+            assert out.dtype == dtype and out.shape == grad.shape
+            nmse = float(((out.float() - grad) ** 2).sum() / (grad ** 2).sum())
+            assert nmse < tol, (kind, nmse)
+            assert st.stats.buckets == 1 and st.stats.coordinates == grad.numel()
+
+
+def test_error_feedback_survives_bucket_rebuild(one_worker: OneWorkerJobs) -> None:
+    """After a rebuild that regroups parameters, each parameter's error feedback is carried over."""
+    p1, p2, p3 = _params(500, 700, 300, seed=1)
+    with one_worker.state("thc") as st:
+        st.submit(FakeBucket(0, [p1, p2], last=False)).wait()
+        st.submit(FakeBucket(1, [p3], last=True)).wait()
+        before = {i: st.error_of(p).clone() for i, p in enumerate((p1, p2, p3))}
+        assert all(e.abs().sum() > 0 for e in before.values())  # THC's quantization leaves an error
+        flat = st.bucket_errors(0, (id(p3), id(p1)), [300, 500], torch.device("cpu"))
+        assert torch.equal(flat, torch.cat([before[2], before[0]]))
+        st.submit(FakeBucket(0, [p3, p1], last=False)).wait()
+        st.submit(FakeBucket(1, [p2], last=True)).wait()
+        assert torch.equal(st.bucket_errors(1, (id(p2),), [700], torch.device("cpu")), st.error_of(p2))
+        assert not torch.equal(st.error_of(p2), before[1])  # updated by the second step
+
+
+def test_error_feedback_can_be_disabled(one_worker: OneWorkerJobs) -> None:
+    """error_feedback=False keeps no per-parameter error."""
+    (p,) = _params(1000)
+    with one_worker.state("thc", error_feedback=False) as st:
+        st.submit(FakeBucket(0, [p], last=True)).wait()
+        assert st.error_of(p) is None
+
+
+def test_unreachable_aggregator_raises_not_hangs() -> None:
+    """Nothing listening: the bucket's future fails with AggregatorUnreachable after the deadline."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound but never answering
+        cfg = DDPHookConfig(aggregator=("127.0.0.1", port), deadline=1.0)
+        with THCHookState(cfg, rank=0, world_size=4) as st:
+            t0 = time.monotonic()
+            fut = st.submit(FakeBucket(0, _params(100), last=True))
+            with pytest.raises(ConnectionError, match=f"no answer from the aggregator at 127.0.0.1:{port}"):
+                fut.wait()
+            assert time.monotonic() - t0 < 10
+            # Later buckets fail at once, naming the first failure (the use sequence is broken).
+            with pytest.raises(RuntimeError, match="an earlier exchange failed"):
+                st.submit(FakeBucket(0, _params(100), last=True)).wait()
+
+
+def test_config_validation_and_defaults() -> None:
+    """Clear errors for bad settings; the default job is the one thc-aggregator serves without options."""
+    assert (DEFAULT_JOB, HOOK_DEFAULT_KEY) == (DEFAULT_JOB_ID, DEFAULT_KEY)
+    with pytest.raises(ValueError, match="kind must be"):
+        DDPHookConfig(kind="fp8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="loss_policy"):
+        DDPHookConfig(loss_policy="maybe")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="port"):
+        DDPHookConfig(aggregator=("127.0.0.1", 0))
+    with pytest.raises(ValueError):
+        DDPHookConfig(bits=0)
+    job = JobConfig(workers=3)
+    assert DDPHookConfig().job_params(3).table_id == job.table_id  # the hook's table is the aggregator's
+
+
+def test_example_help_and_without_torchrun() -> None:
+    """--help documents the switches; run without torchrun it says how to launch it."""
+    h = subprocess.run([sys.executable, str(EXAMPLE), "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert h.returncode == 0 and "--compression" in h.stdout and "--aggregator" in h.stdout
+    env = {k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE")}
+    r = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert r.returncode == 2 and "torchrun" in r.stderr

@@ -1,0 +1,151 @@
+"""The emulated network (topologies.netem): namespaces, shaping, random loss, multicast, cleanup, DDP across it.
+
+Needs root (namespaces, veth, bridge, tc, nftables): every test but the first skips with the reason
+otherwise. Traffic stays inside the namespaces the tests create; they are removed in all cases.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from topologies.netem import NetemConfig, NetemError, Topology, require_root
+
+ROOT_REASON = require_root()
+needs_root = pytest.mark.skipif(ROOT_REASON is not None, reason=f"emulated network: {ROOT_REASON}")
+PROBE = [sys.executable, "-m", "topologies.netem.probe"]
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _measure(net: Topology, receiver: str, recv_args: list[str], sender: str, send_args: list[str]) -> dict:
+    rx = net.popen(receiver, [*PROBE, "recv", *recv_args, "--idle", "0.5"], stdout=subprocess.PIPE, text=True)
+    assert rx.stdout.readline().strip() == "ready"
+    subprocess.run(net.command(sender, [*PROBE, "send", *send_args]), check=True, capture_output=True, timeout=60)
+    return json.loads(rx.communicate(timeout=60)[0])
+
+
+def test_without_root_the_reason_is_clear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not root: require_root names what is missing and up() refuses with it (nothing is created)."""
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    reason = require_root()
+    assert reason is not None and "root" in reason
+    with pytest.raises(NetemError, match="need root"):
+        Topology(NetemConfig(workers=1, prefix="thcnr")).up()
+
+
+def test_config_errors() -> None:
+    """Bad settings fail at configuration with a message."""
+    with pytest.raises(ValueError, match="unknown node"):
+        NetemConfig(workers=2, loss_percent={"w5": 1})
+    with pytest.raises(ValueError, match="percentage"):
+        NetemConfig(workers=2, loss_percent={"w1": 100})
+    with pytest.raises(ValueError, match="too long"):
+        NetemConfig(prefix="x" * 11)
+
+
+@needs_root
+@pytest.mark.parametrize("qdisc", ["tbf", "htb"])
+def test_links_are_shaped(qdisc: str) -> None:
+    """An unpaced UDP sender in w0 gets the configured rate to agg (within 60-110 %), not more."""
+    rate = 40.0
+    with Topology(NetemConfig(workers=1, rate_mbit=rate, qdisc=qdisc, prefix="thcts")) as net:
+        agg = net.address("agg")
+        got = _measure(net, "agg", ["--bind", f"{agg}:9000"], "w0", ["--to", f"{agg}:9000", "--seconds", "1"])
+    assert 0.6 * rate < got["mbit_s"] < 1.1 * rate, got
+
+
+@needs_root
+def test_random_loss_and_multicast() -> None:
+    """20 % UDP loss on w1's link drops about 20 % of its datagrams (counted by the rules); w0's link loses
+    nothing; a datagram multicast by agg reaches every worker."""
+    cfg = NetemConfig(workers=2, rate_mbit=100, loss_percent={"w1": 20}, loss_method="nftables",
+                      loss_udp_only=True, prefix="thctl")
+    with Topology(cfg) as net:
+        agg = net.address("agg")
+        lossy = _measure(net, "agg", ["--bind", f"{agg}:9001"], "w1",
+                         ["--to", f"{agg}:9001", "--count", "2000", "--pps", "2000"])
+        clean = _measure(net, "agg", ["--bind", f"{agg}:9002"], "w0",
+                         ["--to", f"{agg}:9002", "--count", "500", "--pps", "2000"])
+        drops = net.counters()
+        rx = [net.popen(w, [*PROBE, "recv", "--bind", f"{net.address(w)}:9500", "--group", "239.7.7.7", "--idle",
+                            "0.5"], stdout=subprocess.PIPE, text=True) for w in ("w0", "w1")]
+        for r in rx:
+            assert r.stdout.readline().strip() == "ready"
+        send = [*PROBE, "send", "--to", "239.7.7.7:9500", "--count", "100", "--pps", "1000"]
+        subprocess.run(net.command("agg", send), check=True, capture_output=True, timeout=60)
+        mcast = [json.loads(r.communicate(timeout=60)[0]) for r in rx]
+    assert 1400 < lossy["packets"] < 1800, lossy
+    assert drops["w1 up"] == 2000 - lossy["packets"]
+    assert clean["packets"] == 500
+    assert mcast[0]["packets"] == 100 and 65 < mcast[1]["packets"] < 95  # w1's downlink loses 20 % too
+
+
+@needs_root
+def test_everything_is_removed() -> None:
+    """Namespaces go away after the block, after an exception inside it, and after a failed up()."""
+    cfg = NetemConfig(workers=2, rate_mbit=10, prefix="thctc")
+    with Topology(cfg) as net:
+        made = set(net.namespaces())
+        assert made <= _namespaces() and len(made) == 4
+    assert not made & _namespaces()
+    with pytest.raises(RuntimeError, match="boom"), Topology(cfg) as net:
+        raise RuntimeError("boom")
+    assert not made & _namespaces()
+    # A clash with a namespace of the same name: up() refuses, and removes what it made (nothing of the other's).
+    subprocess.run(["ip", "netns", "add", "thctc-w1"], check=True)
+    try:
+        with pytest.raises(NetemError, match="already exist"):
+            Topology(cfg).up()
+        assert _namespaces() & made == {"thctc-w1"}
+    finally:
+        subprocess.run(["ip", "netns", "del", "thctc-w1"], check=True)
+
+
+@needs_root
+def test_ddp_across_namespaces_multicast_and_loss(tmp_path: Path) -> None:
+    """train_ddp.py with torchrun --nnodes 2 (one namespace per node, unchanged), the aggregator in its own
+    namespace sending results by IP multicast, 5 % loss on w1's link: parameters identical after every step."""
+    from aggregator.jobs import JobConfig
+    from topologies.netem.ddp import run_training, start_aggregator
+
+    group = "239.9.9.9:9600"
+    cfg = NetemConfig(workers=2, rate_mbit=200, loss_percent={"w1": 5}, prefix="thctd")
+    with Topology(cfg) as net:
+        start_aggregator(net, [JobConfig(job=3, workers=2, multicast=group)], multicast=True)
+        res = run_training(net, ["--steps", "6", "--compression", "thc", "--job-id", "3", "--aggregator",
+                                 f"{net.address('agg')}:9451", "--multicast", group, "--timeout", "0.02",
+                                 "--width", "256", "--check-every-step", "--deadline", "20",
+                                 "--json-out", str(tmp_path / "s.json")],
+                           timeout=150)
+    text = "\n".join(r.output for r in res)
+    assert [r.returncode for r in res] == [0, 0], text[-4000:]
+    assert "identical parameters on all ranks: True" in res[0].output
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["identical_every_step"] == [True] * 6
+    for hook in summary["hook"]:  # results came by multicast; w1's lost packets were retransmitted
+        assert hook["transport_multicast_results"] > 0 and hook["lost_chunks"] == 0
+    assert summary["hook"][1]["transport_retransmissions"] > 0
+
+
+@needs_root
+def test_ddp_across_namespaces_rank0_starts_the_aggregator(tmp_path: Path) -> None:
+    """No --aggregator on two nodes: rank 0 starts thc-aggregator on its address towards the rendezvous host
+    (not loopback) and the other node learns it through the torch.distributed store."""
+    from topologies.netem.ddp import run_training
+
+    with Topology(NetemConfig(workers=2, rate_mbit=200, aggregator=False, prefix="thctr")) as net:
+        res = run_training(net, ["--steps", "4", "--compression", "thc", "--check-every-step",
+                                 "--json-out", str(tmp_path / "s.json")], timeout=150)
+        w0 = net.address("w0")
+    assert [r.returncode for r in res] == [0, 0], "\n".join(r.output for r in res)[-4000:]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["aggregator"][0] == w0 and summary["identical_every_step"] == [True] * 4
+    assert all(h["transport_results"] > 0 for h in summary["hook"])

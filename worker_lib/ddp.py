@@ -1,0 +1,379 @@
+"""PyTorch DistributedDataParallel communication hook that averages gradients through a THC aggregator.
+
+DDP hands a communication hook one *bucket* of gradients at a time (a flat tensor holding the
+gradients of a few parameters) and expects a ``torch.futures.Future`` of the averaged bucket. This
+hook compresses the bucket with THC on the tensor's own device, runs the norm stage and the index
+exchange through a ``thc-aggregator`` (or a switch speaking the same protocol) with the worker
+``Transport``, decodes the average and writes it back into the bucket. The process group (gloo,
+or NCCL on GPUs) still serves DDP's own needs (the initial broadcast, buffers); gradients travel
+only through the aggregator.
+
+Why it is built this way:
+
+- **One transport per process, uses in bucket order.** DDP calls the hook for buckets in index
+  order on every rank, so all ranks issue the same sequence of aggregator uses (docs/protocol.md)
+  without talking to each other. The exchange runs on one background thread per process, in
+  submission order, so communication overlaps the rest of the backward pass as with NCCL/gloo.
+- **Error feedback keyed by parameter.** DDP rebuilds its buckets after the first iteration (and
+  may again); the error of each parameter's coordinates is kept in a per-parameter view, so a
+  bucket whose parameter set changes starts from the errors its parameters carried before.
+- **Bit-identical replicas.** Every rank decodes the same integer sums with the same max norm and
+  the same rotation, so the averages (and thus the parameters) agree bit for bit. With the
+  ``zero-fill`` loss policy a chunk may be lost for one rank and not for another; replicas can then
+  drift apart, which is why ``reliable`` is the default.
+- **No hang.** A silent aggregator raises ``AggregatorUnreachable`` after ``deadline`` seconds; the
+  exception completes the bucket's future, so ``loss.backward()`` raises it.
+
+Usage::
+
+    cfg = DDPHookConfig(aggregator=("10.0.0.1", 9451), job=1)       # the job thc-aggregator serves
+    model = DistributedDataParallel(net)
+    state = register_thc_hook(model, cfg)                           # rank/world from torch.distributed
+    ...train as usual...
+    state.close()
+
+The ``uncompressed`` kind sends int32 fixed-point values (a SwitchML-style job of the aggregator,
+scaled by the job's max |value| so that n workers' sums cannot overflow) over the same transport:
+the baseline THC is measured against.
+
+(No ``from __future__ import annotations`` here: DDP compares the hook's annotations with the real
+``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` objects.)
+"""
+
+import concurrent.futures
+import logging
+import math
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from worker_lib.thc import RandomizedHadamard, SignKey, THCConfig, THCWorker
+from worker_lib.transport import AggregatorUnreachable, JobParams, LossPolicy, Transport, TransportConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AggregatorUnreachable", "DDPHookConfig", "HookStats", "THCHookState", "register_thc_hook", "thc_hook"]
+
+#: The job ``thc-aggregator`` serves when started without a job (aggregator.jobs.DEFAULT_JOB_ID / DEFAULT_KEY;
+#: tests/test_ddp.py checks that they agree, since worker_lib does not import the aggregator).
+DEFAULT_JOB = 1
+DEFAULT_KEY = 0x54484321
+_INT32_MAX = (1 << 31) - 1
+
+
+@dataclass(frozen=True)
+class DDPHookConfig:
+    """Settings of the DDP hook: where the aggregator is, which job, THC's knobs, loss policy, timeouts.
+
+    ``kind``, ``bits``, ``granularity``, ``p``, ``result_bits``, ``slots`` and ``elems`` must be those
+    of the job the aggregator serves (``aggregator.jobs.JobConfig`` computes the defaults of
+    ``result_bits`` and ``elems``; pass its values).
+    """
+
+    aggregator: tuple[str, int] = ("127.0.0.1", 9451)
+    job: int = DEFAULT_JOB
+    key: int = DEFAULT_KEY
+    kind: Literal["thc", "uncompressed"] = "thc"
+    bits: int = 4
+    granularity: int = 30
+    p: float = 1 / 32
+    result_bits: int = 8
+    slots: int = 128
+    elems: int = 1024
+    shards: int = 1  #: aggregator shards (ports PORT..PORT+shards-1)
+    loss_policy: LossPolicy = "reliable"
+    timeout: float = 0.05  #: seconds before a use is retransmitted
+    retries: int = 3  #: zero-fill: retransmissions before a chunk is given up
+    deadline: float = 10.0  #: seconds without any answer before AggregatorUnreachable
+    window: int | None = None  #: uses in flight (default: all slots)
+    multicast: str | None = None  #: GROUP:PORT the aggregator multicasts results to (thc-aggregator --multicast)
+    bind_host: str = "127.0.0.1"  #: local address of the worker's socket (its interface towards the aggregator)
+    error_feedback: bool = True
+    overlap: bool = True  #: exchange on a background thread (overlaps backward); False: inside the hook
+    seed: int = 0  #: seeds the stochastic quantization (mixed with the rank)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("thc", "uncompressed"):
+            raise ValueError(f"kind must be 'thc' or 'uncompressed', got {self.kind!r}")
+        if self.loss_policy not in ("reliable", "zero-fill"):
+            raise ValueError(f"loss_policy must be 'reliable' or 'zero-fill', got {self.loss_policy!r}")
+        host, port = self.aggregator
+        if not host or not 0 < int(port) < 65536:
+            raise ValueError(f"aggregator must be (host, port) with a port in 1..65535, got {self.aggregator!r}")
+        if self.timeout <= 0 or self.deadline <= 0:
+            raise ValueError("timeout and deadline must be positive seconds")
+        if self.kind == "thc":
+            self.thc_config()  # validates bits, granularity and p with THC's own messages
+
+    def thc_config(self) -> THCConfig:
+        """THC's codec settings (error feedback is done by the hook, per parameter)."""
+        return THCConfig(bits=self.bits, granularity=self.granularity, p=self.p, error_feedback=False)
+
+    def job_params(self, workers: int) -> JobParams:
+        """The transport's view of the job for ``workers`` ranks."""
+        table_id = self.thc_config().table().table_id() if self.kind == "thc" else 0
+        return JobParams(job=self.job, key=self.key, workers=workers, table_id=table_id, kind=self.kind,
+                         bits=self.bits, granularity=self.granularity, result_bits=self.result_bits,
+                         slots=self.slots, elems=self.elems)
+
+    def transport_config(self, rank: int, workers: int) -> TransportConfig:
+        return TransportConfig(self.job_params(workers), worker=rank, aggregator=(self.aggregator[0],
+                               int(self.aggregator[1])), shards=self.shards, loss_policy=self.loss_policy,
+                               timeout=self.timeout, retries=self.retries, deadline=self.deadline,
+                               window=self.window, seed=self.seed, bind_host=self.bind_host,
+                               multicast=self.multicast)
+
+
+@dataclass
+class HookStats:
+    """Where the hook's time goes (seconds, cumulative, measured on the exchange thread)."""
+
+    buckets: int = 0
+    coordinates: int = 0
+    encode_s: float = 0.0  #: error feedback, norm, RHT, quantization (or fixed-point scaling)
+    network_s: float = 0.0  #: norm stage and data exchange with the aggregator (incl. waiting for peers)
+    decode_s: float = 0.0  #: decoding the average, error update, copy back into the bucket
+    lost_chunks: int = 0
+    bytes_sent: int = 0  #: payload bytes of DATA packets (headers excluded)
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _BucketError:
+    """Error feedback of one bucket layout: one flat tensor and a view per parameter."""
+
+    params: tuple[int, ...]
+    flat: torch.Tensor
+
+
+@dataclass
+class THCHookState:
+    """State of the hook in one process: transport, THC workers (one per device) and error feedback.
+
+    ``rank`` and ``world_size`` default to torch.distributed's (of ``process_group``). Create it after
+    ``init_process_group``; call ``close()`` at the end (or use it as a context manager).
+    """
+
+    config: DDPHookConfig
+    rank: int | None = None
+    world_size: int | None = None
+    process_group: dist.ProcessGroup | None = None
+    stats: HookStats = field(default_factory=HookStats)
+    step: int = field(init=False, default=0)
+    transport: Transport = field(init=False)
+    _workers: dict[str, THCWorker] = field(init=False, default_factory=dict)
+    _bucket_errors: dict[int, _BucketError] = field(init=False, default_factory=dict)
+    _param_errors: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
+    _rotations: dict[int, RandomizedHadamard] = field(init=False, default_factory=dict)
+    _executor: concurrent.futures.ThreadPoolExecutor | None = field(init=False, default=None)
+    _failed: BaseException | None = field(init=False, default=None)
+    _t_mark: float = field(init=False, default=0.0)  #: when the last exchange ended (decode time starts)
+
+    def __post_init__(self) -> None:
+        if self.rank is None or self.world_size is None:
+            if not dist.is_initialized():
+                raise RuntimeError("THCHookState needs rank and world_size, or an initialized torch.distributed")
+            self.rank = dist.get_rank(self.process_group) if self.rank is None else self.rank
+            self.world_size = dist.get_world_size(self.process_group) if self.world_size is None else self.world_size
+        self.transport = Transport(self.config.transport_config(self.rank, self.world_size))
+        for sock in self.transport.socks[1:]:
+            # The multicast socket gets the kernel's default receive buffer (about 200 kB), which a burst of
+            # results overflows (thousands of retransmissions measured at 1 Gbit/s); give it the unicast
+            # socket's size. (Transport could do this itself; until then the hook does.)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        if self.config.overlap:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"thc-hook{self.rank}")
+        log.info("rank %d: THC hook (%s) to aggregator %s:%d job %d from %s", self.rank, self.config.kind,
+                 *self.config.aggregator, self.config.job, self.transport.address)
+
+    # -- life cycle ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the exchange thread and close the socket."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+        self.transport.close()
+
+    def __enter__(self) -> "THCHookState":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the hook's work ----------------------------------------------------------------------------
+    def submit(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Average one bucket; the future completes with the bucket's buffer (or the error)."""
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        buffer = bucket.buffer()
+        index = bucket.index()
+        params = tuple(id(p) for p in bucket.parameters())
+        sizes = [p.numel() for p in bucket.parameters()]
+        step, last = self.step, bucket.is_last()
+        if last:
+            self.step += 1
+
+        def work() -> None:
+            try:
+                if self._failed is not None:  # the transport's use sequence is broken: do not go on
+                    raise RuntimeError(f"THC hook: an earlier exchange failed: {self._failed}") from self._failed
+                self._average(buffer, index, params, sizes, step, last)
+                fut.set_result(buffer)
+            except BaseException as exc:  # delivered through the future: backward() raises it
+                self._failed = self._failed or exc
+                fut.set_exception(exc)
+
+        if self._executor is None:
+            work()
+        else:
+            self._executor.submit(work)
+        return fut
+
+    def _worker_for(self, device: torch.device) -> THCWorker:
+        key = str(device)
+        w = self._workers.get(key)
+        if w is None:
+            cfg = self.config
+            w = self._workers[key] = THCWorker(cfg.thc_config(), job=cfg.job, worker=self.rank, device=device,
+                                               seed=cfg.seed * 7919 + self.rank)
+        return w
+
+    def error_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The error feedback ``param``'s coordinates carry into the next step (flat; None before any)."""
+        return self._param_errors.get(id(param))
+
+    def bucket_errors(self, index: int, params: tuple[int, ...], sizes: list[int],
+                      device: torch.device) -> torch.Tensor:
+        """The flat error-feedback buffer of bucket ``index`` holding parameters ``params`` (their ids).
+
+        When the bucket's parameter set changed (DDP's rebuild), the buffer is assembled from the
+        errors each parameter carried in its previous bucket, so no error feedback is lost.
+        """
+        be = self._bucket_errors.get(index)
+        if be is not None and be.params == params and be.flat.device == device:
+            return be.flat
+        parts = [self._param_errors.get(pid) for pid in params]
+        flat = torch.cat([torch.zeros(n, device=device) if e is None else e.to(device)
+                          for e, n in zip(parts, sizes, strict=True)]) if params else torch.zeros(0, device=device)
+        if be is not None:
+            log.debug("rank %d: bucket %d changed its parameters; error feedback carried per parameter", self.rank,
+                      index)
+        self._bucket_errors[index] = _BucketError(params, flat)
+        for pid, view in zip(params, torch.split(flat, sizes), strict=True):
+            self._param_errors[pid] = view
+        return flat
+
+    def _inverse_rht(self, index: int, d: int, key: SignKey, device: torch.device) -> RandomizedHadamard:
+        """The rotation of bucket ``index`` for this step (one instance per bucket, rekeyed every step)."""
+        rht = self._rotations.get(index)
+        if rht is None or rht.d != d or rht.signs.device != device:
+            rht = self._rotations[index] = RandomizedHadamard(d, key, device=device)
+        else:
+            rht.rekey(key)
+        return rht
+
+    def _average(self, buffer: torch.Tensor, index: int, params: tuple[int, ...], sizes: list[int], step: int,
+                 last: bool) -> None:
+        cfg, st = self.config, self.stats
+        t0 = time.perf_counter()
+        flat = buffer.detach().reshape(-1)
+        if cfg.kind == "uncompressed":
+            avg = self._average_fixed_point(flat.to(torch.float32), index, t0)
+        else:
+            avg = self._average_thc(flat, index, params, sizes, step, t0)
+        buffer.copy_(avg.reshape(buffer.shape).to(buffer.dtype))
+        st.decode_s += time.perf_counter() - self._t_mark
+        st.buckets += 1
+        st.coordinates += flat.numel()
+        if last:
+            # Drop the errors of bucket indices that no longer exist (a rebuild into fewer buckets).
+            for gone in [i for i in self._bucket_errors if i > index]:
+                del self._bucket_errors[gone]
+
+    def _average_thc(self, flat: torch.Tensor, index: int, params: tuple[int, ...], sizes: list[int], step: int,
+                     t0: float) -> torch.Tensor:
+        cfg, st, tr = self.config, self.stats, self.transport
+        p = tr.cfg.params
+        worker = self._worker_for(flat.device)
+        x = flat.to(torch.float32)
+        err = None
+        if cfg.error_feedback:
+            err = self.bucket_errors(index, params, sizes, flat.device)
+            x = x + err
+        norm = worker.begin(x, index, step)
+        t1 = time.perf_counter()
+        max_norm, _ = tr.exchange_norm(norm, tensor=index)
+        t2 = time.perf_counter()
+        enc = worker.compress(index, max(max_norm, norm))
+        if err is not None:
+            # e <- x - RHT^-1(X_i): what this worker's own indices failed to carry (Algorithm 3).
+            rht = self._inverse_rht(index, x.numel(), SignKey.derive(cfg.job, index, step), flat.device)
+            own = worker.codec.own_values(enc)
+            torch.sub(x, rht.inverse(own, out=own), out=err)
+        idx = enc.indices.cpu().numpy().astype(np.uint8)
+        t3 = time.perf_counter()
+        res = tr.exchange_indices(idx, tensor=index)
+        t4 = time.perf_counter()
+        st.encode_s += (t1 - t0) + (t3 - t2)
+        st.network_s += (t2 - t1) + (t4 - t3)
+        st.bytes_sent += res.sums.shape[0] * p.elems * p.bits // 8
+        self._t_mark = t4
+        d = idx.size
+        sums = torch.from_numpy(res.sums.reshape(-1)[:d])
+        if not res.lost.any() and (res.contributors == res.contributors[0]).all():
+            return worker.finish(index, sums, int(res.contributors[0]))
+        st.lost_chunks += int(res.lost.sum())
+        counts = torch.from_numpy(np.repeat(res.contributors, p.elems)[:d])
+        lost = torch.from_numpy(np.repeat(res.lost, p.elems)[:d])
+        return worker.finish(index, sums, counts, lost=lost)
+
+    def _average_fixed_point(self, x: torch.Tensor, index: int, t0: float) -> torch.Tensor:
+        """int32 fixed point scaled by the job's max |value|: n workers' sums cannot overflow."""
+        st, tr = self.stats, self.transport
+        n = tr.cfg.params.workers
+        amax = float(x.abs().max()) if x.numel() else 0.0
+        if not math.isfinite(amax):
+            raise ValueError(f"bucket {index} holds NaN or infinite gradients")
+        t1 = time.perf_counter()
+        top, _ = tr.exchange_norm(amax, tensor=index)
+        t2 = time.perf_counter()
+        # |round(x * scale)| <= (2^31 - 1 - n) / n + 1/2, so the n workers' sum stays below 2^31 - 1.
+        scale = (_INT32_MAX - n) / (n * top) if top > 0 else 1.0
+        q = torch.round(x.double() * scale).to(torch.int64).cpu().numpy()
+        t3 = time.perf_counter()
+        res = tr.exchange_int32(q, tensor=index)
+        t4 = time.perf_counter()
+        st.encode_s += (t1 - t0) + (t3 - t2)
+        st.network_s += (t2 - t1) + (t4 - t3)
+        st.bytes_sent += res.sums.shape[0] * tr.cfg.params.elems * 4
+        self._t_mark = t4
+        d = q.size
+        counts = np.repeat(res.contributors, tr.cfg.params.elems)[:d]
+        st.lost_chunks += int(res.lost.sum())
+        avg = res.sums.reshape(-1)[:d] / (np.maximum(counts, 1) * scale)
+        avg[counts == 0] = 0.0
+        return torch.from_numpy(avg.astype(np.float32)).to(x.device)
+
+
+def thc_hook(state: THCHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average ``bucket`` through the THC aggregator (see the module docstring).
+
+    Register with ``model.register_comm_hook(state, thc_hook)`` or ``register_thc_hook``.
+    """
+    return state.submit(bucket)
+
+
+def register_thc_hook(model: torch.nn.parallel.DistributedDataParallel, config: DDPHookConfig, *,
+                      process_group: dist.ProcessGroup | None = None) -> THCHookState:
+    """Create the hook's state for this rank and register ``thc_hook`` on ``model``; returns the state."""
+    state = THCHookState(config, process_group=process_group)
+    hook: Callable[[THCHookState, dist.GradBucket], torch.futures.Future[torch.Tensor]] = thc_hook
+    model.register_comm_hook(state, hook)
+    return state
