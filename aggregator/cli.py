@@ -19,8 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(protocol: docs/protocol.md). Without --config or --job it serves job "
                     f"{DEFAULT_JOB_ID} (key {DEFAULT_KEY:#x}, 4 workers, b=4, g=30, p=1/32).",
         epilog="Jobs: --job 'job=2,key=0x1234,workers=8,threshold=7,bits=4,granularity=30,p=1/32,"
-               "result_bits=16,slots=128,elems=512' (repeatable) or a TOML file (--config, reloaded on "
-               "SIGHUP). SIGINT/SIGTERM stop cleanly.")
+               "result_bits=16,slots=128,elems=512' or a decompress-aggregate-recompress job 'job=3,kind=dar,"
+               "codec=topk10,length=65536,max_message=65536,workers=4,slots=4' (repeatable) or a TOML file "
+               "(--config, reloaded on SIGHUP). SIGINT/SIGTERM stop cleanly.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=THC_UDP_PORT,
                    help=f"UDP port of shard 0 (shard i uses port+i); 0 picks a free range (default {THC_UDP_PORT})")
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"thc-aggregator: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
     server.install_signal_handlers()
-    ids = ", ".join(f"{j.job} ({j.kind}, n={j.workers}, threshold={j.threshold}, K={j.elems}, S={j.slots})"
+    ids = ", ".join(f"{j.job} ({j.kind}{'/' + j.codec if j.codec else ''}, n={j.workers}, "
+                    f"threshold={j.threshold}, K={j.elems}, S={j.slots})"
                     for j in server.jobs)
     control = f" control={args.host}:{server.control_port}" if server.control_port is not None else ""
     print(f"thc-aggregator listening on {args.host}:{server.port} shards={args.shards}{control} jobs: {ids}",

@@ -2,11 +2,14 @@
 
 A job is refused here, when it is configured, if its sums could overflow the result width
 (g * n >= 2^width), if it has more than 32 workers, or if a result packet would not fit the path MTU.
+A ``dar`` job (decompress-aggregate-recompress, software aggregator only) is refused if its codec is
+unknown or homomorphic, or if its preallocated reassembly buffers would be unreasonably large.
 The config file format (TOML) is documented in docs/aggregator.md.
 """
 
 from __future__ import annotations
 
+import functools
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -15,9 +18,15 @@ from typing import Any, Literal
 import numpy as np
 
 from worker_lib.thc import LookupTable, solve_table
-from worker_lib.wire.layout import HEADER_BYTES, IP_UDP_OVERHEAD, MAX_WORKERS, RESULT_WIDTHS
+from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, IP_UDP_OVERHEAD, MAX_WORKERS, RESULT_WIDTHS
 
-JobKind = Literal["thc", "uncompressed"]
+JobKind = Literal["thc", "uncompressed", "dar"]
+JOB_KINDS: tuple[str, ...] = ("thc", "uncompressed", "dar")
+#: Most bytes a dar job may preallocate (reassembly + retained results): a typo in max_message or
+#: slots is refused instead of exhausting the aggregator's memory.
+MAX_DAR_MEMORY = 2 << 30
+#: Job fields that only a dar job may set.
+_DAR_ONLY = ("codec", "length", "max_message", "seed")
 
 #: The job ``thc-aggregator`` serves when no job is configured, and which ``thc-allreduce
 #: --aggregator`` uses by default.
@@ -36,6 +45,13 @@ class JobConfig:
     ``threshold`` defaults to ``workers``; ``result_bits`` to the smallest of 8/16/32 that holds
     g * n; ``elems`` (K, indices per packet) to the largest multiple of 8 up to 1024 whose result
     packet fits ``mtu``.
+
+    ``kind="dar"`` (decompress-aggregate-recompress, software aggregator only): ``codec`` is a
+    non-homomorphic codec name of ``worker_lib.codecs`` (``CodecKind.DAR``), ``length`` the tensor
+    length d, ``max_message`` the largest codec message in bytes (uplink and downlink; it sizes the
+    preallocated reassembly buffers), ``seed`` the base of the per-round seed of stochastic
+    re-encoding; ``elems`` is the message bytes per fragment (default: what fits ``mtu``),
+    ``result_bits`` is 8 and ``table_id`` 0. The THC table knobs are ignored.
     """
 
     job: int = DEFAULT_JOB_ID
@@ -52,6 +68,10 @@ class JobConfig:
     elems: int | None = None
     mtu: int = 1500
     multicast: str | None = None  # IP multicast group for results (with thc-aggregator --multicast)
+    codec: str | None = None  #: dar: codec name (worker_lib.codecs.CODEC_NAMES, kind DAR)
+    length: int | None = None  #: dar: tensor length d
+    max_message: int | None = None  #: dar: largest codec message, bytes (uplink and downlink)
+    seed: int | None = None  #: dar: base seed of the per-round re-encoding seed (default 0)
     _lookup: LookupTable | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -65,8 +85,8 @@ class JobConfig:
         if not 1 <= thr <= self.workers:
             raise JobConfigError(f"job {self.job}: threshold must be in 1..workers={self.workers}, got {thr}")
         object.__setattr__(self, "threshold", thr)
-        if self.kind not in ("thc", "uncompressed"):
-            raise JobConfigError(f"job {self.job}: kind must be 'thc' or 'uncompressed', got {self.kind!r}")
+        if self.kind not in JOB_KINDS:
+            raise JobConfigError(f"job {self.job}: kind must be one of {', '.join(JOB_KINDS)}, got {self.kind!r}")
         if self.multicast is not None:
             host, _, port = str(self.multicast).rpartition(":")
             try:
@@ -79,6 +99,13 @@ class JobConfig:
                                      f"(224.0.0.0/4), got {self.multicast!r}")
         if not 1 <= self.slots <= 1 << 16:
             raise JobConfigError(f"job {self.job}: slots must be in 1..65536, got {self.slots}")
+        if self.kind == "dar":
+            self._check_dar()
+            return
+        given = [k for k in _DAR_ONLY if getattr(self, k) is not None]
+        if given:
+            raise JobConfigError(f"job {self.job}: {', '.join(given)}: only for kind='dar' jobs, this job is "
+                                 f"kind={self.kind!r}")
         if self.kind == "thc":
             try:
                 if self.table is not None:
@@ -123,6 +150,67 @@ class JobConfig:
             raise JobConfigError(f"job {self.job}: a result of {k} x {self.result_bits}-bit sums "
                                  f"({total} bytes with headers) exceeds the mtu {self.mtu}")
 
+    def _check_dar(self) -> None:
+        """Validate and complete a dar job (codec, d, message and fragment sizes, memory)."""
+        from worker_lib.codecs import CODEC_NAMES
+
+        dar_names = dar_codec_names()
+        if self.codec is None:
+            raise JobConfigError(f"job {self.job}: a dar job needs codec=NAME, one of {', '.join(dar_names)}")
+        if self.codec not in CODEC_NAMES:
+            raise JobConfigError(f"job {self.job}: unknown codec {self.codec!r}; dar codecs: {', '.join(dar_names)}")
+        if self.codec not in dar_names:
+            raise JobConfigError(f"job {self.job}: codec {self.codec!r} is homomorphic: the aggregator adds its "
+                                 f"table values without decompressing (kind='thc'); dar codecs: "
+                                 f"{', '.join(dar_names)}")
+        for name in ("length", "max_message"):
+            v = getattr(self, name)
+            if v is None:
+                raise JobConfigError(f"job {self.job}: a dar job needs {name}=N")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise JobConfigError(f"job {self.job}: {name} must be a positive integer, got {v!r}")
+        seed = 0 if self.seed is None else self.seed
+        if not 0 <= seed < 1 << 32:
+            raise JobConfigError(f"job {self.job}: seed must be a 32-bit unsigned integer, got {seed}")
+        if self.result_bits is None:
+            object.__setattr__(self, "result_bits", 8)
+        if self.result_bits != 8:
+            raise JobConfigError(f"job {self.job}: dar fragments carry bytes: result_bits must be 8")
+        room = self.mtu - IP_UDP_OVERHEAD - HEADER_BYTES - DAR_PREFIX_BYTES
+        if self.elems is None:
+            if room < 1:
+                raise JobConfigError(f"job {self.job}: mtu {self.mtu} leaves no room for a dar fragment")
+            object.__setattr__(self, "elems", min(room, self.max_message))
+        if not 1 <= self.elems <= room:
+            raise JobConfigError(f"job {self.job}: elems (message bytes per fragment) must be in 1..{room} "
+                                 f"(mtu {self.mtu}), got {self.elems}")
+        if self.max_message >= 1 << 29:
+            raise JobConfigError(f"job {self.job}: max_message {self.max_message} exceeds the 32-bit bit count")
+        memory = self.dar_memory
+        if memory > MAX_DAR_MEMORY:
+            raise JobConfigError(f"job {self.job}: the dar buffers would take {memory / 2**20:.0f} MiB "
+                                 f"(workers x slots x 2 banks x max_message, plus results), over the "
+                                 f"{MAX_DAR_MEMORY >> 20} MiB limit; use fewer slots or a smaller max_message")
+
+    @property
+    def max_fragments(self) -> int:
+        """dar: fragments of the largest message (ceil(max_message / elems))."""
+        if self.kind != "dar":
+            raise ValueError(f"job {self.job} is not a dar job")
+        return -(-self.max_message // self.elems)
+
+    @property
+    def dar_memory(self) -> int:
+        """dar: bytes of the preallocated reassembly buffers and retained result packets."""
+        frags = self.max_fragments
+        per_bank = self.workers * frags * self.elems + frags * (HEADER_BYTES + DAR_PREFIX_BYTES + self.elems)
+        return self.slots * 2 * per_bank
+
+    @property
+    def dar_seed(self) -> int:
+        """dar: the base seed (0 when not configured)."""
+        return 0 if self.seed is None else self.seed
+
     @property
     def lookup(self) -> LookupTable | None:
         """The THC table (None for uncompressed jobs)."""
@@ -135,8 +223,8 @@ class JobConfig:
 
     @property
     def data_width(self) -> int:
-        """Bits per element of a DATA payload: b, or 32 for uncompressed jobs."""
-        return self.bits if self.kind == "thc" else 32
+        """Bits per element of a DATA payload: b, 32 for uncompressed jobs, 8 (bytes) for dar fragments."""
+        return {"thc": self.bits, "dar": 8}.get(self.kind, 32)
 
     @property
     def data_bytes(self) -> int:
@@ -157,8 +245,16 @@ class JobConfig:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items() if v is not None}
 
 
+@functools.lru_cache(maxsize=1)
+def dar_codec_names() -> tuple[str, ...]:
+    """Registered codec names whose kind is DAR (imports torch, so only when a dar job is configured)."""
+    from worker_lib.codecs import CODEC_NAMES, CodecKind, make_codec
+
+    return tuple(n for n in CODEC_NAMES if make_codec(n, seed=0).kind == CodecKind.DAR)
+
+
 _INT_KEYS = {"job", "key", "workers", "threshold", "bits", "granularity", "result_bits", "slots", "elems",
-             "mtu"}
+             "mtu", "length", "max_message", "seed"}
 
 
 def job_from_mapping(raw: dict[str, Any], where: str = "job") -> JobConfig:

@@ -7,6 +7,10 @@ the senders' addresses, then sendmmsg every result: unicast fan-out to the job's
 learned from their packets) or one datagram to the job's multicast group, and unicast answers
 (retained results, straggler notices) to their senders. Counters live in shared memory so that the
 parent process prints statistics and exports them to Prometheus for all shards.
+
+DAR_DATA packets (fragments of decompress-aggregate-recompress jobs, a software-only extension) are
+routed by their type byte to ``aggregator.dar.DarAggregator``; everything else goes to the reference
+state machine, which keeps dropping DAR types as ``bad_type`` exactly as a switch does.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from types import FrameType
 
 import numpy as np
 
+from aggregator.dar import DAR_DROP_COUNTERS, DarAggregator, DarCounter, DarOutputs
 from aggregator.io import BatchSocket, sockaddr_in, sockaddr_to_tuple, udp_socket
 from aggregator.jobs import JobConfig, load_jobs, parse_job_spec
 from aggregator.state import DEFAULT_STRIDE, DROP_COUNTERS, Aggregator, Counter
+from worker_lib.wire.layout import PacketType
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +103,7 @@ class Shard:
     """One shard: a socket, a state machine, and the loop between them."""
 
     def __init__(self, cfg: ServerConfig, sock: socket.socket, shard: int, jobs: Sequence[JobConfig],
-                 counters: np.ndarray | None = None) -> None:
+                 counters: np.ndarray | None = None, dar_counters: np.ndarray | None = None) -> None:
         self.cfg, self.shard = cfg, shard
         self.io = BatchSocket(sock, batch=cfg.batch, stride=cfg.stride)
         if cfg.multicast:
@@ -106,6 +112,9 @@ class Shard:
         self.agg = Aggregator(shard=shard, shards=cfg.shards, max_batch=cfg.batch, stride=cfg.stride)
         if counters is not None:
             self.agg.counters = counters
+        self.dar = DarAggregator(shard=shard, shards=cfg.shards, stride=cfg.stride)
+        if dar_counters is not None:
+            self.dar.counters = dar_counters
         self.addrs: dict[int, _Addresses] = {}
         self.set_jobs(jobs)
         self.pcap = None
@@ -120,13 +129,18 @@ class Shard:
         """Apply a job list: new or changed jobs are (re)configured, missing ones removed."""
         wanted = {j.job: j for j in jobs}
         for jid in list(self.agg.jobs):
-            if jid not in wanted:
+            if jid not in wanted or wanted[jid].kind == "dar":
                 self.agg.remove_job(jid)
                 self.addrs.pop(jid, None)
+        for jid in list(self.dar.jobs):
+            if jid not in wanted or wanted[jid].kind != "dar":
+                self.dar.remove_job(jid)
+                self.addrs.pop(jid, None)
         for jid, cfg in wanted.items():
-            cur = self.agg.jobs.get(jid)
+            table = self.dar if cfg.kind == "dar" else self.agg
+            cur = table.jobs.get(jid)
             if cur is None or cur.cfg != cfg:
-                self.agg.add_job(cfg)
+                table.add_job(cfg)
                 self.addrs[jid] = _Addresses(cfg)
 
     def step(self, timeout: float) -> int:
@@ -148,30 +162,74 @@ class Shard:
         n = io.recv()
         if n == 0:
             return 0
-        out = self.agg.process(io.rx[:n], io.rx_len[:n])
-        self._learn()
         if self.pcap is not None:
             for i in range(n):
                 self.pcap.write(sockaddr_to_tuple(io.rx_addr[i]), self.local, io.rx[i, : io.rx_len[i]].tobytes())
-        if out.count:
-            self._send(out)
+        is_dar = (io.rx[:n, 1] == PacketType.DAR_DATA) & (io.rx_len[:n] >= 2)
+        if not is_dar.any():
+            out = self.agg.process(io.rx[:n], io.rx_len[:n])
+            good = self.agg.last_good
+            self._learn(good, self.agg.last_job[good], self.agg.last_worker[good])
+            if out.count:
+                self._send(out, io.rx_addr)
+            return n
+        dar_rows = np.flatnonzero(is_dar)
+        rest = np.flatnonzero(~is_dar)
+        self.agg.counters[Counter.RX] += dar_rows.size  # rx counts every datagram; the rest add theirs
+        if rest.size:  # a batch mixing kinds (rare): the state machine gets the others, compacted
+            out = self.agg.process(np.ascontiguousarray(io.rx[rest]), io.rx_len[rest])
+            good = self.agg.last_good
+            self._learn(rest[good], self.agg.last_job[good], self.agg.last_worker[good])
+            if out.count:
+                self._send(out, io.rx_addr[rest])
+        sub = io.rx[:n] if rest.size == 0 else np.ascontiguousarray(io.rx[dar_rows])
+        dout = self.dar.process(sub, io.rx_len[dar_rows])
+        if dout.good_rows:
+            self._learn(dar_rows[dout.good_rows], np.asarray(dout.good_jobs), np.asarray(dout.good_workers))
+        if dout.sends:
+            self._send_dar(dout, io.rx_addr[dar_rows])
         return n
 
-    def _learn(self) -> None:
-        agg = self.agg
-        good = agg.last_good
-        if good.size == 0:
+    def _learn(self, rows: np.ndarray, jobs: np.ndarray, workers: np.ndarray) -> None:
+        """Remember the source address of worker ``workers[k]`` of job ``jobs[k]`` (rx row ``rows[k]``)."""
+        if rows.size == 0:
             return
-        jobs = agg.last_job[good]
-        workers = agg.last_worker[good]
         for j in np.unique(jobs).tolist():
             sel = jobs == j
-            tab = self.addrs[j]
+            tab = self.addrs.get(j)
+            if tab is None:
+                continue
             w = workers[sel]
-            tab.addr[w] = self.io.rx_addr[good[sel]]
+            tab.addr[w] = self.io.rx_addr[rows[sel]]
             tab.known[w] = True
 
-    def _send(self, out: object) -> None:
+    def _destinations(self, job: int) -> np.ndarray | None:
+        """Addresses a completion of ``job`` goes to: its multicast group, or its known workers."""
+        tab = self.addrs.get(job)
+        if tab is None:
+            return None
+        dests = tab.group if (self.cfg.multicast and tab.group is not None) else tab.addr[tab.known]
+        return dests if len(dests) else None
+
+    def _send_dar(self, out: DarOutputs, src_addr: np.ndarray) -> None:
+        """Send the DAR path's datagrams (result fragments fanned out, unicast answers to senders)."""
+        for snd in out.sends:
+            if snd.fanout:
+                dests = self._destinations(snd.job)
+                if dests is None:
+                    continue
+                rows = np.repeat(snd.rows, len(dests))
+                lengths = np.repeat(snd.lengths, len(dests))
+                addrs = np.tile(dests, (snd.rows.size, 1))
+            else:
+                rows, lengths = snd.rows, snd.lengths
+                addrs = np.repeat(src_addr[snd.src][None, :], snd.rows.size, axis=0)
+            self.io.send(snd.buf, rows, lengths, addrs)
+            if self.pcap is not None:
+                for r, a, ln in zip(rows.tolist(), addrs, lengths.tolist(), strict=True):
+                    self.pcap.write(self.local, sockaddr_to_tuple(a), snd.buf[r, :ln].tobytes())
+
+    def _send(self, out: object, src_addr: np.ndarray) -> None:
         from aggregator.state import Outputs
 
         assert isinstance(out, Outputs)
@@ -182,17 +240,14 @@ class Shard:
         uni = np.flatnonzero(~fan)
         if uni.size:
             rows_l.append(uni)
-            addr_l.append(self.io.rx_addr[out.src[uni]])
+            addr_l.append(src_addr[out.src[uni]])
         fo = np.flatnonzero(fan)
         if fo.size:
             jobs = out.job[fo]
             for j in np.unique(jobs).tolist():
                 ms = fo[jobs == j]
-                tab = self.addrs.get(j)
-                if tab is None:
-                    continue
-                dests = tab.group if (self.cfg.multicast and tab.group is not None) else tab.addr[tab.known]
-                if len(dests) == 0:
+                dests = self._destinations(j)
+                if dests is None:
                     continue
                 rows_l.append(np.repeat(ms, len(dests)))
                 addr_l.append(np.tile(dests, (ms.size, 1)))
@@ -213,12 +268,14 @@ class Shard:
 
 
 def _shard_main(cfg: ServerConfig, sock: socket.socket, shard: int, jobs: list[JobConfig],
-                shared: mp.Array, conn: multiprocessing.connection.Connection, stop: mp.Event) -> None:
+                shared: mp.Array, dar_shared: mp.Array, conn: multiprocessing.connection.Connection,
+                stop: mp.Event) -> None:
     """Body of a shard process (shards > 1)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     counters = np.frombuffer(shared, np.int64).reshape(cfg.shards, len(Counter))[shard]
-    sh = Shard(cfg, sock, shard, jobs, counters)
+    dar_counters = np.frombuffer(dar_shared, np.int64).reshape(cfg.shards, len(DarCounter))[shard]
+    sh = Shard(cfg, sock, shard, jobs, counters, dar_counters)
     try:
         while not stop.is_set():
             sh.step(cfg.poll_timeout)
@@ -239,6 +296,7 @@ class AggregatorServer:
         self.socks = bind_shards(cfg.host, cfg.port, cfg.shards)
         self.port = self.socks[0].getsockname()[1]
         self.counters = np.zeros((cfg.shards, len(Counter)), np.int64)
+        self.dar_counters = np.zeros((cfg.shards, len(DarCounter)), np.int64)
         self._stop = threading.Event()
         self._reload = threading.Event()
         self._metrics = None
@@ -319,8 +377,7 @@ class AggregatorServer:
                 elif cmd == "list":
                     reply = json.dumps([j.to_dict() for j in jobs.values()])
                 elif cmd == "stats":
-                    tot = self.counters.sum(axis=0)
-                    reply = json.dumps({c.name.lower(): int(tot[c]) for c in Counter})
+                    reply = json.dumps(self.totals())
                 else:
                     reply = "error: unknown command; use: add SPEC | remove ID | list | stats"
             except ValueError as exc:
@@ -332,6 +389,14 @@ class AggregatorServer:
         self.jobs = list(jobs.values())
         self.out(f"control: jobs {sorted(jobs)}")
         return self.jobs
+
+    def totals(self) -> dict[str, int]:
+        """Counter totals over the shards: the state machine's, then the DAR path's as ``dar_<name>``."""
+        tot = self.counters.sum(axis=0)
+        dar = self.dar_counters.sum(axis=0)
+        out = {c.name.lower(): int(tot[c]) for c in Counter}
+        out.update({f"dar_{c.name.lower()}": int(dar[c]) for c in DarCounter})
+        return out
 
     def serve(self) -> None:
         """Run until stop() or SIGINT/SIGTERM."""
@@ -352,8 +417,8 @@ class AggregatorServer:
                 self.control.close()
 
     def _serve_single(self) -> None:
-        sh = Shard(self.cfg, self.socks[0], 0, self.jobs, self.counters[0])
-        stats = _Stats(self.cfg.stats_interval, self.counters, self.out)
+        sh = Shard(self.cfg, self.socks[0], 0, self.jobs, self.counters[0], self.dar_counters[0])
+        stats = _Stats(self.cfg.stats_interval, self.counters, self.dar_counters, self.out)
         try:
             while not self._stop.is_set():
                 sh.step(self.cfg.poll_timeout)
@@ -370,16 +435,18 @@ class AggregatorServer:
         ctx = mp.get_context("fork")
         shared = ctx.RawArray("q", cfg.shards * len(Counter))
         self.counters = np.frombuffer(shared, np.int64).reshape(cfg.shards, len(Counter))
+        dar_shared = ctx.RawArray("q", cfg.shards * len(DarCounter))
+        self.dar_counters = np.frombuffer(dar_shared, np.int64).reshape(cfg.shards, len(DarCounter))
         stop = ctx.Event()
         procs, conns = [], []
         for i, sock in enumerate(self.socks):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_shard_main, args=(cfg, sock, i, self.jobs, shared, child, stop),
+            p = ctx.Process(target=_shard_main, args=(cfg, sock, i, self.jobs, shared, dar_shared, child, stop),
                             name=f"thc-aggregator-shard{i}", daemon=True)
             p.start()
             procs.append(p)
             conns.append(parent)
-        stats = _Stats(cfg.stats_interval, self.counters, self.out)
+        stats = _Stats(cfg.stats_interval, self.counters, self.dar_counters, self.out)
         try:
             while not self._stop.wait(0.05):
                 jobs = self._do_reload() if self._reload.is_set() else None
@@ -421,6 +488,20 @@ class AggregatorServer:
                     for s in range(snap.shape[0]):
                         fam.add_metric([c.name.lower(), str(s)], float(snap[s, c]))
                 yield fam
+                dsnap = server.dar_counters.copy()
+                for c in DarCounter:
+                    if c in DAR_DROP_COUNTERS:
+                        continue
+                    fam = CounterMetricFamily(f"thc_aggregator_dar_{c.name.lower()}", _DAR_HELP[c], labels=["shard"])
+                    for s in range(dsnap.shape[0]):
+                        fam.add_metric([str(s)], float(dsnap[s, c]))
+                    yield fam
+                fam = CounterMetricFamily("thc_aggregator_dar_dropped", "DAR fragments dropped, by reason",
+                                          labels=["reason", "shard"])
+                for c in DAR_DROP_COUNTERS:
+                    for s in range(dsnap.shape[0]):
+                        fam.add_metric([c.name.lower(), str(s)], float(dsnap[s, c]))
+                yield fam
 
         registry = CollectorRegistry()
         registry.register(_Collector())
@@ -438,13 +519,27 @@ _HELP.update({
 })
 
 
-class _Stats:
-    """Periodic one-line statistics (packets/s, elements/s, drops by reason, stragglers, completions)."""
+_DAR_HELP = {
+    DarCounter.RX: "DAR_DATA fragments received", DarCounter.ACCEPTED: "DAR fragments stored",
+    DarCounter.NEW_ROUND: "DAR banks started by a newer round", DarCounter.MESSAGES: "DAR worker messages completed",
+    DarCounter.COMPLETED: "DAR slot rounds aggregated (decode, float sum, re-encode)",
+    DarCounter.RETAINED: "DAR fragments of completed rounds answered with retained result fragments",
+    DarCounter.DUPLICATE: "DAR duplicate fragments", DarCounter.STRAGGLER: "DAR straggler notices sent",
+    DarCounter.RESULT_FRAGMENTS: "DAR result fragments built",
+    DarCounter.CPU_NS: "aggregator CPU nanoseconds in decode + float sum + re-encode (divide by completed)",
+}
 
-    def __init__(self, interval: float, counters: np.ndarray, out: Callable[[str], None]) -> None:
-        self.interval, self.counters, self.out = interval, counters, out
+
+class _Stats:
+    """Periodic one-line statistics (packets/s, elements/s, drops by reason, stragglers, completions;
+    with DAR traffic, DAR rounds and their CPU time per round)."""
+
+    def __init__(self, interval: float, counters: np.ndarray, dar_counters: np.ndarray,
+                 out: Callable[[str], None]) -> None:
+        self.interval, self.counters, self.dar_counters, self.out = interval, counters, dar_counters, out
         self.last_t = time.monotonic()
         self.last = counters.sum(axis=0).copy()
+        self.dar_last = dar_counters.sum(axis=0).copy()
 
     def tick(self) -> None:
         if self.interval <= 0:
@@ -456,7 +551,16 @@ class _Stats:
         d = cur - self.last
         dt = now - self.last_t
         drops = {c.name.lower(): int(d[c]) for c in DROP_COUNTERS if d[c]}
+        dcur = self.dar_counters.sum(axis=0)
+        dd = dcur - self.dar_last
+        dar = ""
+        if dd[DarCounter.RX]:
+            rounds = int(dd[DarCounter.COMPLETED])
+            per = dd[DarCounter.CPU_NS] / rounds / 1e6 if rounds else 0.0
+            ddrops = {c.name.lower(): int(dd[c]) for c in DAR_DROP_COUNTERS if dd[c]}
+            dar = f"  dar rounds {rounds} cpu {per:.3f} ms/round dropped {ddrops or 0}"
         self.out(f"rx {d[Counter.RX] / dt:,.0f} pkt/s  elements {d[Counter.ELEMENTS] / dt:,.0f}/s  "
                  f"completed {int(d[Counter.COMPLETED])}  retained {int(d[Counter.RETAINED])}  "
-                 f"stragglers {int(d[Counter.STRAGGLER])}  dropped {drops or 0}")
+                 f"stragglers {int(d[Counter.STRAGGLER])}  dropped {drops or 0}{dar}")
         self.last, self.last_t = cur.copy(), now
+        self.dar_last = dcur.copy()

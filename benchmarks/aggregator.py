@@ -8,8 +8,15 @@
 2. The wall time of a 2^20-coordinate allreduce among 4 worker processes through the aggregator
    (``thc-allreduce``'s machinery) next to torch.distributed (gloo) all_reduce of the same float32
    tensor among 4 processes.
+3. ``--cost``: the aggregator's CPU time per round of one d-coordinate tensor (the THC paper's
+   Figure 2 point), measured in process in the same run, for THC (the state machine: table lookup
+   and integer add of n workers' chunks, ``Aggregator.process``) and for the decompress-aggregate-
+   recompress codecs (``DarAggregator.process`` on the n workers' fragments: reassembly, then
+   decode + float sum + re-encode, whose share the ``cpu_ns`` counter gives), at n = 2, 4, 8, with
+   the ratios DAR / THC. Torch runs on one thread, like the numpy THC path; no I/O is timed.
 
     python benchmarks/aggregator.py [--seconds 3] [--json]
+    python benchmarks/aggregator.py --cost [--cost-dim 262144] [--cost-rounds 3] [--json]
 """
 
 from __future__ import annotations
@@ -190,6 +197,104 @@ def thc_allreduce(dim: int, workers: int = 4, steps: int = 3) -> dict:
             "retransmissions": s["retransmissions"]}
 
 
+def _thc_round_cpu(d: int, workers: int, rounds: int, batch: int = 256) -> list[float]:
+    """CPU seconds of ``Aggregator.process`` over every chunk packet of one round, per round."""
+    from aggregator.state import Aggregator
+    from worker_lib.wire import header_view
+
+    k = 1024
+    chunks = -(-d // k)
+    cfg = JobConfig(job=1, workers=workers, elems=k, slots=chunks)
+    agg = Aggregator([cfg], max_batch=batch)
+    rng = np.random.default_rng(1)
+    payload = pack_indices_np(rng.integers(0, 1 << cfg.bits, (chunks * workers, k)).astype(np.uint8), cfg.bits)
+    pkts = build_batch({"type": 1, "job": cfg.job, "key": cfg.key, "table_id": cfg.table_id,
+                        "worker": np.tile(np.arange(workers), chunks), "slot": np.repeat(np.arange(chunks), workers),
+                        "elems": k, "width": cfg.bits}, payload)
+    lens = np.full(len(pkts), pkts.shape[1])
+    out = []
+    for r in range(rounds):
+        header_view(pkts)["round"] = r
+        t0 = time.process_time()
+        for i in range(0, len(pkts), batch):
+            agg.process(pkts[i:i + batch], lens[i:i + batch])
+        out.append(time.process_time() - t0)
+    if agg.counters[3] != rounds * chunks:  # Counter.COMPLETED
+        raise RuntimeError(f"THC rounds did not complete: {agg.counters}")
+    return out
+
+
+def _dar_messages(codec: str, d: int, workers: int) -> list:
+    import torch
+
+    from worker_lib.codecs import RoundContext, make_codec
+
+    rng = np.random.default_rng(2)
+    enc = make_codec(codec, seed=3)
+    return [enc.encode(torch.from_numpy(rng.standard_normal(d).astype(np.float32)), RoundContext(length=d))
+            for _ in range(workers)]
+
+
+def _dar_round_cpu(codec: str, d: int, msgs: list, rounds: int, batch: int = 256) -> tuple[list[float], list[float]]:
+    """(CPU seconds of ``DarAggregator.process`` over a round's fragments, of which decode + sum +
+    re-encode) per round."""
+    from aggregator.dar import FRAGMENT_OVERHEAD, DarAggregator, DarCounter
+
+    workers = len(msgs)
+    biggest = max(m.nbytes for m in msgs)
+    cfg = JobConfig(job=2, kind="dar", codec=codec, length=d, max_message=max(2 * biggest, 8 * d), workers=workers,
+                    slots=1)
+    agg = DarAggregator([cfg])
+    per = cfg.elems
+    rows, lens, index = [], [], []
+    for w, m in enumerate(msgs):
+        frags = max(1, -(-m.nbytes // per))
+        for k in range(frags):
+            body = m.payload[k * per:(k + 1) * per]
+            rows.append(build_batch({"type": 6, "job": cfg.job, "key": cfg.key, "worker": w, "chunk": k,
+                                     "elems": body.size, "width": 8},
+                                    np.concatenate([np.array([m.bits, frags], ">u4").view(np.uint8), body,
+                                                    np.zeros(per - body.size, np.uint8)])[None, :])[0])
+            lens.append(FRAGMENT_OVERHEAD + body.size)
+            index.append(k)
+    order = np.argsort(np.asarray(index), kind="stable")  # fragments interleaved across workers, as they arrive
+    pkts = np.ascontiguousarray(np.stack(rows)[order])
+    lengths = np.asarray(lens)[order]
+    from worker_lib.wire import header_view
+
+    total, codec_part = [], []
+    for r in range(rounds):
+        header_view(pkts)["round"] = r
+        before = int(agg.counters[DarCounter.CPU_NS])
+        t0 = time.process_time()
+        for i in range(0, len(pkts), batch):
+            agg.process(pkts[i:i + batch], lengths[i:i + batch])
+        total.append(time.process_time() - t0)
+        codec_part.append((int(agg.counters[DarCounter.CPU_NS]) - before) / 1e9)
+    if agg.counters[DarCounter.COMPLETED] != rounds:
+        raise RuntimeError(f"{codec}: DAR rounds did not complete: {agg.counters}")
+    return total, codec_part
+
+
+def aggregator_cost(d: int, workers: tuple[int, ...] = (2, 4, 8),
+                    codecs: tuple[str, ...] = ("topk10", "natural", "3lc", "dynquant"), rounds: int = 3) -> dict:
+    """Aggregator CPU time per round: THC vs the DAR codecs at each n, medians over ``rounds``."""
+    import torch
+
+    torch.set_num_threads(1)
+    res: dict = {"d": d, "rounds": rounds, "rows": []}
+    msgs = {c: _dar_messages(c, d, max(workers)) for c in codecs}
+    for n in workers:
+        thc = statistics.median(_thc_round_cpu(d, n, rounds))
+        res["rows"].append({"codec": "thc", "workers": n, "cpu_ms": thc * 1e3, "codec_ms": None, "ratio": 1.0})
+        for c in codecs:
+            total, part = _dar_round_cpu(c, d, msgs[c][:n], rounds)
+            t, p = statistics.median(total), statistics.median(part)
+            res["rows"].append({"codec": c, "workers": n, "cpu_ms": t * 1e3, "codec_ms": p * 1e3, "ratio": t / thc,
+                                "message_bytes": int(msgs[c][0].nbytes)})
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=3.0, help="measurement time per target")
@@ -197,8 +302,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians reported)")
     ap.add_argument("--dim", type=int, default=1 << 20, help="allreduce length")
     ap.add_argument("--skip-allreduce", action="store_true", help="only the packet-rate part")
+    ap.add_argument("--cost", action="store_true",
+                    help="only the aggregator CPU time per round: THC vs the DAR codecs at n = 2, 4, 8")
+    ap.add_argument("--cost-dim", type=int, default=1 << 18, help="d of the --cost rounds (default 2^18)")
+    ap.add_argument("--cost-rounds", type=int, default=3, help="rounds per point of --cost (medians)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.cost:
+        res = aggregator_cost(args.cost_dim, rounds=args.cost_rounds)
+        if args.json:
+            print(json.dumps(res))
+            return 0
+        print(f"aggregator CPU time per round, d = {res['d']:,}, median of {res['rounds']} rounds, 1 thread")
+        print(f"  {'codec':10s} {'n':>3s} {'cpu ms/round':>13s} {'decode+sum+reencode ms':>23s} {'x THC':>8s}")
+        for r in res["rows"]:
+            part = f"{r['codec_ms']:.2f}" if r["codec_ms"] is not None else "-"
+            print(f"  {r['codec']:10s} {r['workers']:3d} {r['cpu_ms']:13.2f} {part:>23s} {r['ratio']:8.1f}")
+        return 0
     cfg = JobConfig(job=1, workers=WORKERS, elems=args.elems, slots=256)
     res: dict = {"cpus": os.cpu_count(), "elems": cfg.elems, "workers": WORKERS}
     runs: dict[str, list[dict]] = {"reflector": [], "aggregator": [], "aggregator_2_shards": []}

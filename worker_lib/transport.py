@@ -13,7 +13,9 @@ policies decide what a missing result means:
 A straggler notice (the slot has moved on past our round: its result is gone) marks the use lost,
 is counted, and calls ``on_straggler``. ``exchange_indices`` / ``exchange_norm`` are the low-level
 calls (numpy only, no torch); ``THCAllreduce.allreduce`` adds THC's norm stage, compression and
-decoding on top.
+decoding on top. ``exchange_message`` carries one whole codec message of a ``dar`` job
+(decompress-aggregate-recompress, software aggregator only) as fragments and reassembles the
+aggregator's re-encoded average.
 
 Usage::
 
@@ -33,11 +35,11 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
-from worker_lib.wire.layout import HEADER_BYTES, ROUND_BITS, VERSION, PacketType
+from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, ROUND_BITS, VERSION, PacketType
 from worker_lib.wire.serializer import build_batch, float_bits, pack_indices_np
 
 log = logging.getLogger(__name__)
@@ -59,16 +61,17 @@ class JobParams:
     key: int
     workers: int
     table_id: int = 0
-    kind: Literal["thc", "uncompressed"] = "thc"
+    kind: Literal["thc", "uncompressed", "dar"] = "thc"
     bits: int = 4
     granularity: int = 30
     result_bits: int = 8
     slots: int = 128
-    elems: int = 1024
+    elems: int = 1024  #: K; for dar jobs, the message bytes per fragment
+    max_message: int | None = None  #: dar jobs: the largest message (bytes), uplink and downlink
 
     @property
     def data_width(self) -> int:
-        return self.bits if self.kind == "thc" else 32
+        return {"thc": self.bits, "dar": 8}.get(self.kind, 32)
 
 
 @dataclass
@@ -133,6 +136,15 @@ class UseResults:
     contributors: np.ndarray  #: (C,) int64, 0 where lost
     bitmap: np.ndarray  #: (C,) int64
     lost: np.ndarray  #: (C,) bool
+
+
+class MessageResult(NamedTuple):
+    """The answer to a dar use: the re-encoded average (``bits`` exact bits in ``payload``) and how many
+    workers' messages it averages; an empty payload, 0 bits and 0 contributors when the use was lost."""
+
+    payload: np.ndarray
+    bits: int
+    contributors: int
 
 
 class Transport:
@@ -205,6 +217,129 @@ class Transport:
         res = self.run_uses(PacketType.NORM, payload, tensor=tensor, policy="reliable")
         bits = int(res.sums[0])
         return float(np.array([bits], ">u4").view(">f4")[0]), int(res.contributors[0])
+
+    def exchange_message(self, payload: np.ndarray, bits: int, *, tensor: int = 0) -> MessageResult:
+        """dar jobs: send one codec message (``bits`` exact bits) as one use, return the aggregate.
+
+        The message travels as DAR_DATA fragments of ``elems`` bytes (docs/protocol.md); the use takes
+        slot u mod S and that slot's next round like any other use. Timeouts, the loss policy and
+        ``AggregatorUnreachable`` work as for the other calls: under ``reliable`` the fragments are
+        sent again until the whole result has been reassembled (once some result fragments have come,
+        only the fragments whose answers are missing); under ``zero-fill`` the use is given up after
+        ``retries`` retransmissions (an empty result). A straggler notice also gives the use up.
+        """
+        cfg, p = self.cfg, self.cfg.params
+        if p.kind != "dar" or p.max_message is None:
+            raise ValueError("exchange_message needs a dar job (JobParams kind='dar' with max_message)")
+        msg = np.ascontiguousarray(np.asarray(payload, np.uint8).reshape(-1))
+        nbytes = -(-int(bits) // 8)
+        if bits < 0 or msg.size != nbytes:
+            raise ValueError(f"a payload of {msg.size} bytes cannot carry exactly {bits} bits")
+        if nbytes > p.max_message:
+            raise ValueError(f"a message of {nbytes} bytes exceeds the job's max_message {p.max_message}")
+        per = p.elems
+        frags = max(1, -(-nbytes // per))
+        slot = self.next_use % p.slots
+        rnd = self.slot_round[slot]
+        self.slot_round[slot] = (rnd + 1) & _ROUND_MASK
+        self.next_use += 1
+        sizes = np.minimum(per, nbytes - np.arange(frags) * per)
+        body = np.zeros((frags, DAR_PREFIX_BYTES + per), np.uint8)
+        body[:, :DAR_PREFIX_BYTES] = np.array([bits, frags], ">u4").view(np.uint8)
+        padded = np.zeros(frags * per, np.uint8)
+        padded[:nbytes] = msg
+        body[:, DAR_PREFIX_BYTES:] = padded.reshape(frags, per)
+        hdr = {"version": VERSION, "type": int(PacketType.DAR_DATA), "job": p.job, "key": p.key, "table_id": 0,
+               "worker": cfg.worker, "slot": slot, "round": rnd, "tensor": tensor, "chunk": np.arange(frags),
+               "elems": sizes, "width": 8}
+        pkts = build_batch(hdr, body)
+        rows = [pkts[k, : HEADER_BYTES + DAR_PREFIX_BYTES + int(sizes[k])].tobytes() for k in range(frags)]
+        max_frags = -(-p.max_message // per)
+        result = np.zeros(max_frags * per, np.uint8)
+        got = np.zeros(max_frags, bool)
+        res_bits = res_frags = -1
+        have = contributors = 0
+        tries = 0
+        dest = self._dests[slot % cfg.shards]
+        for row in rows:
+            self._send(row, slot)
+        sent_at = last_answer = time.monotonic()
+        lost = MessageResult(np.zeros(0, np.uint8), 0, 0)
+        while True:
+            now = time.monotonic()
+            if now - sent_at >= cfg.timeout:
+                if cfg.loss_policy == "zero-fill" and tries >= cfg.retries:
+                    self.stats.lost_chunks += 1
+                    self.stats.lost.append((tensor, 0))
+                    return lost
+                tries += 1
+                # Fragment k is answered with result fragments k, k + frags, ...: resend only those whose
+                # answers are missing once the result's fragment count is known.
+                want = range(frags) if res_frags < 0 else \
+                    sorted({j % frags for j in np.flatnonzero(~got[:res_frags]).tolist()})
+                for k in want:
+                    self.stats.retransmissions += 1
+                    self._send(rows[k], slot)
+                sent_at = now
+            if now - last_answer > cfg.deadline:
+                raise AggregatorUnreachable(
+                    f"worker {cfg.worker}: no answer from the aggregator at {dest[0]}:{dest[1]} for "
+                    f"{cfg.deadline:.1f} s: is thc-aggregator running there with dar job {p.job} and this key, "
+                    f"and are the job's other workers sending?")
+            wait = max(0.0005, sent_at + cfg.timeout - now)
+            ready, _, _ = select.select(self.socks, [], [], wait)
+            for sock in ready:
+                while True:
+                    try:
+                        n = sock.recv_into(self._rbuf)
+                    except BlockingIOError:
+                        break
+                    if cfg.drop_down and self._rng.random() < cfg.drop_down:
+                        self.stats.dropped_down += 1
+                        continue
+                    if n < HEADER_BYTES:
+                        self.stats.unexpected += 1
+                        continue
+                    (_v, ftyp, fjob, fkey, _t, _w, fcontrib, fslot, fround, _tensor, fchunk, felems, fwidth,
+                     _flags, _bitmap) = _HDR.unpack_from(self._rbuf)
+                    if fjob != p.job or fkey != p.key or fslot != slot:
+                        self.stats.unexpected += 1
+                        continue
+                    if ftyp == PacketType.STRAGGLER:
+                        if ((fround - rnd) & _ROUND_MASK) not in range(1, 1 << (ROUND_BITS - 1)):
+                            self.stats.unexpected += 1
+                            continue
+                        self.stats.stragglers += 1
+                        if cfg.on_straggler is not None:
+                            cfg.on_straggler(fslot, rnd, fround)
+                        self.stats.lost_chunks += 1
+                        self.stats.lost.append((tensor, 0))
+                        return lost
+                    if ftyp != PacketType.DAR_RESULT or fround != rnd or fwidth != 8 or \
+                            n < HEADER_BYTES + DAR_PREFIX_BYTES:
+                        self.stats.unexpected += 1
+                        continue
+                    rb, rf = struct.unpack_from(">II", self._rbuf, HEADER_BYTES)
+                    rbytes = -(-rb // 8)
+                    if rbytes > p.max_message or rf != max(1, -(-rbytes // per)) or fchunk >= rf or \
+                            felems != min(per, rbytes - fchunk * per) or \
+                            n != HEADER_BYTES + DAR_PREFIX_BYTES + felems or \
+                            (res_bits >= 0 and (rb, rf) != (res_bits, res_frags)):
+                        self.stats.unexpected += 1
+                        continue
+                    last_answer = time.monotonic()
+                    res_bits, res_frags, contributors = rb, rf, fcontrib
+                    if got[fchunk]:
+                        continue
+                    off = HEADER_BYTES + DAR_PREFIX_BYTES
+                    result[fchunk * per: fchunk * per + felems] = np.frombuffer(self._rbuf, np.uint8, felems, off)
+                    got[fchunk] = True
+                    have += 1
+                    if have == res_frags:
+                        self.stats.results += 1
+                        if sock is not self.sock:
+                            self.stats.multicast_results += 1
+                        return MessageResult(result[:rbytes].copy(), res_bits, contributors)
 
     # -- the engine --------------------------------------------------------------------------------
     def run_uses(self, typ: PacketType, payloads: np.ndarray, *, tensor: int = 0,

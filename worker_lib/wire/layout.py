@@ -27,6 +27,9 @@ ROUND_BITS = 16
 RESULT_WIDTHS = (8, 16, 32)
 #: Bytes of IPv4 + UDP in front of the THC header (the path MTU counts these, not Ethernet).
 IP_UDP_OVERHEAD = 28
+#: Bytes of the prefix of every DAR_DATA / DAR_RESULT payload: the message's total bit count and its
+#: fragment count, two big-endian uint32 (so that reassembly needs no other state).
+DAR_PREFIX_BYTES = 8
 
 
 class PacketType(IntEnum):
@@ -37,6 +40,11 @@ class PacketType(IntEnum):
     NORM = 3  #: worker -> aggregator: the worker's norm (IEEE-754 float32 bits)
     NORM_RESULT = 4  #: aggregator -> worker: the max norm of the contributors
     STRAGGLER = 5  #: aggregator -> worker: the packet's round is stale; carries the slot's round
+    #: worker -> software aggregator: one fragment of a decompress-aggregate-recompress codec message
+    #: (docs/protocol.md, "Decompress-aggregate-recompress jobs"); a switch drops it as bad_type
+    DAR_DATA = 6
+    #: software aggregator -> worker: one fragment of the re-encoded average of a DAR round
+    DAR_RESULT = 7
 
 
 @dataclass(frozen=True)
