@@ -54,6 +54,16 @@ def _markdown(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of probabilities: {text!r}") from None
+    if not rates or any(not 0 < r < 1 for r in rates):
+        raise argparse.ArgumentTypeError(f"drop probabilities must lie in (0, 1): {text!r}")
+    return rates
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="thc-sim", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--paper-loss-model", action="store_true",
                         help="loss experiment: model a dropped packet as zeros in the gradient (the paper's "
                              "simulation) instead of the protocol's zero-fill through the aggregator")
+    parser.add_argument("--loss-rates", type=_rates, default=(0.001, 0.01),
+                        help="loss experiment: comma-separated drop probabilities (default 0.001,0.01)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -78,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(1)  # many tiny tensors: one thread avoids OpenMP overheads
     opt = Options(quick=args.quick, dataset=args.dataset, seed=args.seed, steps=args.steps, lr=args.lr,
-                  loss_model="paper" if args.paper_loss_model else "protocol")
+                  loss_model="paper" if args.paper_loss_model else "protocol", loss_rates=args.loss_rates)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     name = args.experiment

@@ -30,6 +30,7 @@ class Options:
     steps: int | None = None  # overrides the experiment's default
     loss_model: str = "protocol"
     lr: float | None = None  # default: 0.05 for the digits MLP, 0.02 for the MNIST CNN (0.05 diverges there)
+    loss_rates: tuple[float, ...] = (0.001, 0.01)  # packet drop probabilities of the loss experiment
 
     def base(self, **kw: object) -> SimConfig:
         steps = self.steps or (25 if self.quick else 200)
@@ -68,13 +69,14 @@ def _loss_base(opt: Options) -> SimConfig:
 
 
 def loss_specs(opt: Options) -> list[tuple[str, str, SimConfig]]:
-    """0.1% and 1% packet loss, upstream and downstream separately, with and without sync per epoch."""
+    """Packet loss (0.1% and 1% by default), upstream and downstream separately, with and without model
+    synchronization every epoch."""
     thc = _loss_base(opt)
     specs = []
     for direction in ("upstream", "downstream"):
         specs.append(("baseline (uncompressed, no loss)", direction, replace(thc, compression="none")))
         specs.append(("THC, no loss", direction, thc))
-        for rate in (0.001, 0.01):
+        for rate in opt.loss_rates:
             for sync in (False, True):
                 drops = {"drop_up": rate} if direction == "upstream" else {"drop_down": rate}
                 label = f"THC, {rate:.1%} loss" + (", sync every epoch" if sync else "")
