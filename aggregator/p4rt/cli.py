@@ -1,0 +1,121 @@
+"""``thc-switch``: load the THC program onto a BMv2 switch and configure it over P4Runtime.
+
+    thc-switch --switch 127.0.0.1:9559 load --p4info build/thc.p4info.txtpb --json build/thc.json \\
+        --service 10.0.0.100,02:00:00:00:01:00 --route 10.0.0.1/32,00:00:00:00:00:01,1
+    thc-switch --switch 127.0.0.1:9559 job --job 'job=1,key=0x54484321,workers=4,elems=32,result_bits=8' \\
+        --ports 1,2,3,4
+    thc-switch --switch 127.0.0.1:9559 stats
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from aggregator.jobs import JobConfigError, load_jobs, parse_job_spec
+from aggregator.p4rt.client import SwitchAddress, wait_for_switch
+from aggregator.p4rt.errors import SwitchError
+from aggregator.p4rt.thc import ThcSwitch
+
+log = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``thc-switch`` (sub-commands load, job, remove, jobs, stats)."""
+    p = argparse.ArgumentParser(prog="thc-switch", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--switch", default="127.0.0.1:9559",
+                   help="P4Runtime address host:port or unix:/path (default %(default)s)")
+    p.add_argument("--device-id", type=int, default=0, help="P4Runtime device id (default 0)")
+    p.add_argument("--election-id", type=int, default=1, help="election id of this controller (default 1)")
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="poll the switch's gRPC port up to SECONDS before connecting (default: do not wait)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per P4Runtime call (default 10)")
+    p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    ld = sub.add_parser("load", help="push the program (P4Info + BMv2 JSON), then services and routes")
+    ld.add_argument("--p4info", type=Path, required=True, help="P4Info file written by p4c (text format)")
+    ld.add_argument("--json", type=Path, required=True, help="BMv2 JSON written by p4c-bm2-ss")
+    ld.add_argument("--service", action="append", default=[], metavar="IP,MAC",
+                    help="an aggregator address of the switch and the MAC its answers come from (repeatable)")
+    ld.add_argument("--route", action="append", default=[], metavar="PREFIX,MAC,PORT",
+                    help="an IPv4 route: prefix, next-hop MAC, egress port (repeatable)")
+
+    jb = sub.add_parser("job", help="install or replace a job (lookup entries, multicast group, job entry)")
+    src = jb.add_mutually_exclusive_group(required=True)
+    src.add_argument("--job", metavar="SPEC", help="key=value pairs as for thc-aggregator --job")
+    src.add_argument("--config", type=Path, help="TOML job file; with several jobs, --job-id picks one")
+    jb.add_argument("--job-id", type=int, help="the job of --config to install")
+    jb.add_argument("--ports", required=True, help="switch port of each worker, in worker order: 1,2,3,4")
+
+    rm = sub.add_parser("remove", help="remove a job")
+    rm.add_argument("job", type=int, help="job id")
+    sub.add_parser("jobs", help="list the installed jobs (JSON)")
+    sub.add_parser("stats", help="print the aggregator counters (JSON, Counter names of aggregator.state)")
+    return p
+
+
+def _pair(text: str, n: int, what: str) -> list[str]:
+    parts = [x.strip() for x in text.split(",")]
+    if len(parts) != n:
+        raise SwitchError(f"{what} must have {n} comma-separated parts, got {text!r}")
+    return parts
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute one parsed command; raises SwitchError/JobConfigError/ValueError on failure."""
+    addr = SwitchAddress.parse(args.switch, args.device_id, args.election_id)
+    if args.wait > 0:
+        wait_for_switch(addr, timeout=args.wait)
+    with ThcSwitch(addr, timeout=args.timeout) as sw:
+        if args.command == "load":
+            geom = sw.load(args.p4info, args.json)
+            for s in args.service:
+                ip, mac = _pair(s, 2, "--service")
+                sw.add_service(ip, mac)
+            for r in args.route:
+                prefix, mac, port = _pair(r, 3, "--route")
+                sw.add_route(prefix, mac, int(port))
+            print(json.dumps({"loaded": str(args.json), "geometry": geom.__dict__}))
+        elif args.command == "job":
+            if args.job:
+                cfg = parse_job_spec(args.job)
+            else:
+                jobs = load_jobs(args.config)
+                pick = [j for j in jobs if args.job_id is None or j.job == args.job_id]
+                if len(pick) != 1:
+                    raise SwitchError(f"{args.config}: {len(pick)} jobs match; pick one with --job-id")
+                cfg = pick[0]
+            ports = tuple(int(x) for x in args.ports.split(","))
+            place = sw.configure_job(cfg, ports)
+            print(json.dumps({"job": cfg.job, "job_index": place.job_index, "slot_base": place.slot_base,
+                              "mcast_grp": place.mcast_grp, "generation": place.generation}))
+        elif args.command == "remove":
+            sw.remove_job(args.job)
+        elif args.command == "jobs":
+            print(json.dumps([{"job": j.job, "workers": j.workers, "threshold": j.threshold, "slots": j.slots,
+                               "job_index": j.placement.job_index, "slot_base": j.placement.slot_base,
+                               "generation": j.placement.generation} for j in sw.jobs()]))
+        elif args.command == "stats":
+            print(json.dumps(sw.stats()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: errors become one line on stderr and exit status 1, never a traceback."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run(args)
+    except (SwitchError, JobConfigError, ValueError, OSError) as exc:
+        sys.stderr.write(f"thc-switch: {exc}\n")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

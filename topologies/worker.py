@@ -1,0 +1,100 @@
+"""One THC worker for the BMv2 topologies: the norm stage, then C chunks of seeded random indices
+through the aggregator with the worker transport (worker_lib.transport), results as JSON.
+
+Run inside a host's namespace (the switch answers the address it learns from the worker's packets)::
+
+    python -m topologies.worker --job 'job=1,key=0x54484321,workers=4,elems=32,result_bits=8' \\
+        --worker 0 --aggregator 10.0.0.100:9451 --bind 10.0.0.1 --chunks 64 --seed 7 --out w0.json
+
+The indices are ``worker_indices(seed, worker, chunks, K, b)``, so whoever checks the sums can rebuild
+every worker's packets without talking to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from aggregator.jobs import JobConfig, JobConfigError, parse_job_spec
+from worker_lib.transport import AggregatorUnreachable, JobParams, Transport, TransportConfig
+from worker_lib.wire.layout import THC_UDP_PORT
+
+log = logging.getLogger(__name__)
+
+
+def worker_indices(seed: int, worker: int, chunks: int, elems: int, bits: int) -> np.ndarray:
+    """The (chunks, K) uint8 indices worker ``worker`` sends (deterministic in seed and worker)."""
+    rng = np.random.default_rng([seed, worker])
+    return rng.integers(0, 1 << bits, size=(chunks, elems), dtype=np.uint8)
+
+
+def worker_norm(seed: int, worker: int) -> float:
+    """The norm worker ``worker`` publishes (a float32-exact positive value)."""
+    return float(np.float32(1.0 + ((seed * 31 + worker * 7) % 64) / 8.0))
+
+
+def params_of(cfg: JobConfig) -> JobParams:
+    """The transport's view of a job configuration."""
+    return JobParams(job=cfg.job, key=cfg.key, workers=cfg.workers, table_id=cfg.table_id, kind=cfg.kind,
+                     bits=cfg.bits, granularity=cfg.granularity, result_bits=cfg.result_bits, slots=cfg.slots,
+                     elems=cfg.elems)
+
+
+def run_worker(cfg: JobConfig, worker: int, aggregator: tuple[str, int], bind: str, chunks: int, seed: int,
+               timeout: float = 0.2, deadline: float = 20.0) -> dict:
+    """Norm stage + ``chunks`` chunks; returns the max norm, sums, contributors, bitmaps, losses, timing."""
+    tcfg = TransportConfig(params_of(cfg), worker=worker, aggregator=aggregator, bind_host=bind,
+                           timeout=timeout, deadline=deadline)
+    idx = worker_indices(seed, worker, chunks, cfg.elems, cfg.bits)
+    with Transport(tcfg) as tr:
+        t0 = time.perf_counter()
+        norm, norm_contrib = tr.exchange_norm(worker_norm(seed, worker), tensor=1)
+        t1 = time.perf_counter()
+        res = tr.exchange_indices(idx, tensor=1)
+        t2 = time.perf_counter()
+        stats = tr.stats.as_dict()
+    return {"worker": worker, "norm": norm, "norm_contributors": norm_contrib,
+            "sums": res.sums.astype(int).tolist(), "contributors": res.contributors.astype(int).tolist(),
+            "bitmap": res.bitmap.astype(int).tolist(), "lost": res.lost.astype(bool).tolist(),
+            "seconds_norm": t1 - t0, "seconds_data": t2 - t1, "stats": stats}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: run one worker and write its results as JSON (stdout or --out)."""
+    ap = argparse.ArgumentParser(prog="python -m topologies.worker", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--job", required=True, help="job spec, key=value pairs as for thc-aggregator --job")
+    ap.add_argument("--worker", type=int, required=True, help="this worker's id")
+    ap.add_argument("--aggregator", default=f"10.0.0.100:{THC_UDP_PORT}", help="HOST:PORT of the aggregator")
+    ap.add_argument("--bind", default="0.0.0.0", help="local address to send from")
+    ap.add_argument("--chunks", type=int, default=16, help="chunks of K indices to aggregate")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the indices (see worker_indices)")
+    ap.add_argument("--timeout", type=float, default=0.2, help="retransmission timeout, seconds")
+    ap.add_argument("--deadline", type=float, default=20.0, help="give up after this long without answers")
+    ap.add_argument("--out", type=Path, help="write the JSON here instead of stdout")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        cfg = parse_job_spec(args.job)
+        host, _, port = args.aggregator.rpartition(":")
+        out = run_worker(cfg, args.worker, (host, int(port)), args.bind, args.chunks, args.seed, args.timeout,
+                         args.deadline)
+    except (JobConfigError, AggregatorUnreachable, ValueError, OSError) as exc:
+        sys.stderr.write(f"worker {args.worker}: {exc}\n")
+        return 1
+    text = json.dumps(out)
+    if args.out:
+        args.out.write_text(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
