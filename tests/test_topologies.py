@@ -120,8 +120,8 @@ def test_star_in_mininet_end_to_end(tmp_path) -> None:
     try:
         import mininet  # noqa: F401
     except ImportError:
-        pytest.skip("needs Mininet importable from this interpreter (Debian's mininet package; a venv with "
-                    "--system-site-packages, see docs/bmv2.md)")
+        pytest.skip("needs Mininet importable from this interpreter (Debian's mininet package, linked into "
+                    ".venv by scripts/setup-venv.sh; see docs/bmv2.md)")
     proc = _star(workdir=tmp_path)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "RESULT CHECK: PASS" in proc.stdout and '"ping_loss_percent": 0.0' in proc.stdout
