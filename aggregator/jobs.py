@@ -18,6 +18,7 @@ from typing import Any, Literal
 import numpy as np
 
 from worker_lib.thc import LookupTable, solve_table
+from worker_lib.thc.table import parse_fraction
 from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, IP_UDP_OVERHEAD, MAX_WORKERS, RESULT_WIDTHS
 
 JobKind = Literal["thc", "uncompressed", "dar"]
@@ -280,11 +281,8 @@ def job_from_mapping(raw: dict[str, Any], where: str = "job") -> JobConfig:
 
 def _parse_fraction(text: str, where: str) -> float:
     try:
-        if "/" in text:
-            a, b = text.split("/", 1)
-            return float(a) / float(b)
-        return float(text)
-    except (ValueError, ZeroDivisionError):
+        return parse_fraction(text)
+    except ValueError:
         raise JobConfigError(f"{where}: p must be a number or a fraction like 1/32, got {text!r}") from None
 
 

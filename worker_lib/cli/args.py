@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+from worker_lib.thc.table import parse_fraction
+
 
 def fraction(text: str) -> float:
     """Parse a probability written as a decimal (0.03125) or a fraction (1/32)."""
     try:
-        if "/" in text:
-            num, den = text.split("/", 1)
-            return float(num) / float(den)
-        return float(text)
-    except (ValueError, ZeroDivisionError):
-        raise argparse.ArgumentTypeError(f"not a number or fraction: {text!r}") from None
+        return parse_fraction(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -39,6 +39,17 @@ from scipy.special import ndtr, ndtri
 MAX_GRANULARITY = 4096  # the dynamic programme holds a (g + 1)^2 matrix of float64 costs
 
 
+def parse_fraction(text: str) -> float:
+    """A probability written as a decimal ("0.03125") or a fraction ("1/32"); ValueError otherwise."""
+    try:
+        if "/" in text:
+            num, den = text.split("/", 1)
+            return float(num) / float(den)
+        return float(text)
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"not a number or a fraction like 1/32: {text!r}") from None
+
+
 def truncation_threshold(p: float) -> float:
     """t_p = Phi^-1(1 - p/2): a standard normal leaves [-t_p, t_p] with probability p."""
     if not 0.0 < p < 1.0:
