@@ -5,6 +5,14 @@
     thc-switch --switch 127.0.0.1:9559 job --job 'job=1,key=0x54484321,workers=4,elems=32,result_bits=8' \\
         --ports 1,2,3,4
     thc-switch --switch 127.0.0.1:9559 stats
+
+Tofino (p4/tofino/thc.p4; docs/tofino.md): ``load --target tofino`` writes a bfrt_python script that
+configures ports, resets the registers and installs services, routes and jobs (lookup entries, PRE nodes
+and group, job entry), and runs it in bfshell where the SDE is installed ($SDE/run_bfshell.sh):
+
+    thc-switch load --target tofino --job 'job=1,workers=4,elems=32,result_bits=8' --ports 1,2,3,4 \\
+        --service 10.0.0.100,02:00:00:00:01:00 --output thc_load.py
+    thc-switch stats --target tofino
 """
 
 from __future__ import annotations
@@ -13,11 +21,25 @@ import argparse
 import json
 import logging
 import sys
+import tempfile
 from pathlib import Path
 
 from aggregator.jobs import JobConfigError, load_jobs, parse_job_spec
+from aggregator.p4rt.bfrt import (
+    DEFAULT_TOFINO_GEOMETRY,
+    BfrtUnavailable,
+    TofinoJob,
+    TofinoPlan,
+    TofinoProgram,
+    bfrt_load_script,
+    bfrt_stats_script,
+    bfshell,
+    parse_stats_output,
+    run_bfrt_script,
+)
 from aggregator.p4rt.client import SwitchAddress, wait_for_switch
 from aggregator.p4rt.errors import SwitchError
+from aggregator.p4rt.p4info import ProgramGeometry
 from aggregator.p4rt.thc import ThcSwitch
 
 log = logging.getLogger(__name__)
@@ -38,9 +60,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    ld = sub.add_parser("load", help="push the program (P4Info + BMv2 JSON), then services and routes")
-    ld.add_argument("--p4info", type=Path, required=True, help="P4Info file written by p4c (text format)")
-    ld.add_argument("--json", type=Path, required=True, help="BMv2 JSON written by p4c-bm2-ss")
+    ld = sub.add_parser("load", help="push the program (P4Info + BMv2 JSON), then services and routes; "
+                        "--target tofino: write (and run where the SDE is) the bfrt_python script")
+    ld.add_argument("--target", choices=("bmv2", "tofino"), default="bmv2", help="switch kind (default bmv2)")
+    ld.add_argument("--p4info", type=Path, help="bmv2: P4Info file written by p4c (text format)")
+    ld.add_argument("--json", type=Path, help="bmv2: BMv2 JSON written by p4c-bm2-ss")
+    ld.add_argument("--job", action="append", default=[], metavar="SPEC",
+                    help="tofino: a job to install, key=value pairs as for thc-aggregator --job (repeatable)")
+    ld.add_argument("--config", type=Path, help="tofino: TOML job file (all its jobs are installed)")
+    ld.add_argument("--ports", action="append", default=[], metavar="P1,P2,...",
+                    help="tofino: device port of each worker of a job, one --ports per job in order")
+    ld.add_argument("--output", type=Path, help="tofino: where to write the script (default: print it)")
+    ld.add_argument("--no-run", action="store_true", help="tofino: only write the script, even where the SDE is")
+    ld.add_argument("--sde", help="tofino: the SDE directory (default $SDE)")
+    ld.add_argument("--geometry", metavar="K,B,RESULT_BITS,SLOTS,JOBS",
+                    help="tofino: the geometry p4/gen_tofino.py compiled the program with (default: its defaults)")
     ld.add_argument("--service", action="append", default=[], metavar="IP,MAC",
                     help="an aggregator address of the switch and the MAC its answers come from (repeatable)")
     ld.add_argument("--route", action="append", default=[], metavar="PREFIX,MAC,PORT",
@@ -56,7 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     rm = sub.add_parser("remove", help="remove a job")
     rm.add_argument("job", type=int, help="job id")
     sub.add_parser("jobs", help="list the installed jobs (JSON)")
-    sub.add_parser("stats", help="print the aggregator counters (JSON, Counter names of aggregator.state)")
+    st = sub.add_parser("stats", help="print the aggregator counters (JSON, Counter names of aggregator.state)")
+    st.add_argument("--target", choices=("bmv2", "tofino"), default="bmv2", help="switch kind (default bmv2)")
+    st.add_argument("--output", type=Path, help="tofino: also write the bfrt_python script here")
+    st.add_argument("--sde", help="tofino: the SDE directory (default $SDE)")
     return p
 
 
@@ -67,8 +104,80 @@ def _pair(text: str, n: int, what: str) -> list[str]:
     return parts
 
 
+def _tofino_plan(args: argparse.Namespace) -> TofinoPlan:
+    """The jobs, services and routes of ``load --target tofino``."""
+    cfgs = [parse_job_spec(spec) for spec in args.job]
+    if args.config:
+        cfgs += load_jobs(args.config)
+    if len(args.ports) != len(cfgs):
+        raise SwitchError(f"{len(cfgs)} jobs but {len(args.ports)} --ports: give one --ports per job, in order")
+    jobs = tuple(TofinoJob(cfg, tuple(int(x) for x in ports.split(",")))
+                 for cfg, ports in zip(cfgs, args.ports, strict=True))
+    services = tuple(tuple(_pair(s, 2, "--service")) for s in args.service)
+    routes = []
+    for r in args.route:
+        prefix, mac, port = _pair(r, 3, "--route")
+        routes.append((prefix, mac, int(port)))
+    program = TofinoProgram()
+    if args.geometry:
+        try:
+            k, b, rbits, slots, njobs = (int(x) for x in _pair(args.geometry, 5, "--geometry"))
+        except ValueError:
+            raise SwitchError(f"--geometry must be five integers K,B,RESULT_BITS,SLOTS,JOBS, got {args.geometry!r}") \
+                from None
+        program = TofinoProgram(geometry=ProgramGeometry(k, b, rbits, slots, njobs))
+    return TofinoPlan(jobs=jobs, services=services, routes=tuple(routes),  # type: ignore[arg-type]
+                      program=program)
+
+
+def run_tofino(args: argparse.Namespace) -> int:
+    """``load`` and ``stats`` for --target tofino: write the bfrt_python script, run it where the SDE is."""
+    if args.command == "load":
+        script = bfrt_load_script(_tofino_plan(args))
+        if args.output:
+            args.output.write_text(script)
+        if args.no_run:
+            if not args.output:
+                print(script, end="")
+            return 0
+        try:
+            shell = bfshell(args.sde)
+        except BfrtUnavailable as exc:
+            if not args.output:
+                print(script, end="")
+            sys.stderr.write(f"thc-switch: script not run: {exc}\n")
+            return 0
+        log.info("running the load script with %s", shell)
+        _run_script(script, args.output, args.sde)
+        print(json.dumps({"loaded": str(args.output or "thc load script")}))
+        return 0
+    if args.command == "stats":
+        script = bfrt_stats_script()
+        if args.output:
+            args.output.write_text(script)
+        bfshell(args.sde)  # raises BfrtUnavailable, saying why, where the SDE is not installed
+        out = _run_script(script, args.output, args.sde)
+        print(json.dumps(parse_stats_output(out, DEFAULT_TOFINO_GEOMETRY.elems)))
+        return 0
+    raise SwitchError(f"--target tofino supports load and stats, not {args.command}")
+
+
+def _run_script(text: str, path: Path | None, sde: str | None) -> str:
+    """Run a bfrt_python script in bfshell: the written file if any, else a temporary one (removed after)."""
+    if path is not None:
+        return run_bfrt_script(path, sde)
+    with tempfile.TemporaryDirectory(prefix="thc_bfrt_") as tmp:
+        script = Path(tmp) / "script.py"
+        script.write_text(text)
+        return run_bfrt_script(script, sde)
+
+
 def run(args: argparse.Namespace) -> int:
     """Execute one parsed command; raises SwitchError/JobConfigError/ValueError on failure."""
+    if getattr(args, "target", "bmv2") == "tofino":
+        return run_tofino(args)
+    if args.command == "load" and (args.p4info is None or args.json is None):
+        raise SwitchError("load --target bmv2 needs --p4info and --json")
     addr = SwitchAddress.parse(args.switch, args.device_id, args.election_id)
     if args.wait > 0:
         wait_for_switch(addr, timeout=args.wait)

@@ -15,6 +15,11 @@ A job is refused (``JobRefused``) before anything is written if the program cann
 THC job, K or b other than the compiled ones, a result width other than the compiled one, g * n that
 does not fit the compiled result width, more workers than ports given, no free job row or slot range.
 
+Target-neutral entries: ``job_entries``, ``service_entry`` and ``route_entry`` compute what a job or
+address needs as logical entries (table, match, action, params by name; multicast groups as ports and
+replication ids). The P4Runtime writer here and the Tofino bfrt_python writer (aggregator/p4rt/bfrt.py)
+both translate those, so the two targets get the same entries from the same job description.
+
 Registers: BMv2's P4Runtime server (PI) implements neither register reads nor writes; registers are
 reset per job by its generation number (a new ``thc_jobs`` entry makes the job's old state read as
 empty) and all together by loading the pipeline again. ``read_register`` sends the standard request
@@ -97,16 +102,22 @@ class InstalledJob:
     placement: Placement
 
 
-def check_job(cfg: JobConfig, geometry: ProgramGeometry, ports: tuple[int, ...]) -> None:
-    """Raise JobRefused if the compiled program cannot aggregate ``cfg`` with workers on ``ports``."""
+_PROGRAMS = {"bmv2": "BMv2", "tofino": "Tofino"}
+
+
+def check_job(cfg: JobConfig, geometry: ProgramGeometry, ports: tuple[int, ...], target: str = "bmv2") -> None:
+    """Raise JobRefused if the compiled program cannot aggregate ``cfg`` with workers on ``ports``.
+
+    ``target`` ("bmv2" or "tofino") only names the program and its generator in the messages."""
     g = geometry
     where = f"job {cfg.job}"
     if cfg.kind != "thc":
-        raise JobRefused(f"{where}: the BMv2 program aggregates THC jobs only (kind {cfg.kind!r}); "
+        raise JobRefused(f"{where}: the {_PROGRAMS.get(target, target)} program aggregates THC jobs only "
+                         f"(kind {cfg.kind!r}); "
                          "serve uncompressed jobs with thc-aggregator")
     if cfg.elems != g.elems:
         raise JobRefused(f"{where}: K = {cfg.elems} elements per packet, the program is compiled for K = {g.elems} "
-                         f"(set elems={g.elems}, or regenerate with p4/gen_bmv2.py --elems {cfg.elems})")
+                         f"(set elems={g.elems}, or regenerate with p4/gen_{target}.py --elems {cfg.elems})")
     if cfg.bits != g.bits:
         raise JobRefused(f"{where}: b = {cfg.bits} bits per index, the program is compiled for b = {g.bits}")
     top = cfg.granularity * cfg.workers
@@ -126,58 +137,135 @@ def check_job(cfg: JobConfig, geometry: ProgramGeometry, ports: tuple[int, ...])
         raise JobRefused(f"{where}: {cfg.workers} workers but {len(ports)} switch ports given (one per worker)")
 
 
+@dataclass(frozen=True)
+class Match:
+    """One match field of a logical entry: its P4 name (``meta.job_index``), value, and the prefix
+    length for an LPM field (None: exact)."""
+
+    field: str
+    value: int
+    prefix_len: int | None = None
+
+
+@dataclass(frozen=True)
+class LogicalEntry:
+    """A target-neutral table entry: table, match fields, action and its parameters, all by P4 name.
+
+    Why: BMv2 (P4Runtime, ids from the P4Info) and Tofino (bfrt_python, names) spell entries
+    differently; computing them once as data keeps both targets' entries the same by construction.
+    """
+
+    table: str
+    match: tuple[Match, ...]
+    action: str
+    params: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class MulticastGroup:
+    """A multicast group of the packet replication engine: (egress port, replication id) per replica."""
+
+    group: int
+    replicas: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class JobEntries:
+    """Everything a job needs on a switch, in install order: lookup entries, its group, its job entry
+    (last, so that no packet of the job is accepted before its tables are in place)."""
+
+    lookups: tuple[LogicalEntry, ...]
+    group: MulticastGroup
+    job: LogicalEntry
+
+
+def job_entries(cfg: JobConfig, geometry: ProgramGeometry, ports: tuple[int, ...],
+                place: Placement, target: str = "bmv2") -> JobEntries:
+    """The logical entries of a job at ``place`` (raises JobRefused if the program cannot aggregate it)."""
+    check_job(cfg, geometry, ports, target)
+    values = cfg.values().tolist()
+    lookups = tuple(
+        LogicalEntry(f"lookup_{e}", (Match("meta.job_index", place.job_index), Match(f"hdr.data.i{e}", i)),
+                     f"value_{e}", (("v", int(v)),))
+        for e in range(geometry.elems) for i, v in enumerate(values))
+    group = MulticastGroup(place.mcast_grp,
+                           tuple((int(port), replica_id(place.job_index, w)) for w, port in enumerate(ports)))
+    vals = {"key": cfg.key, "table_id": cfg.table_id, "workers": cfg.workers, "threshold": cfg.threshold,
+            "slots": cfg.slots, "slot_base": place.slot_base, "job_index": place.job_index,
+            "mcast_grp": place.mcast_grp, "gen": place.generation}
+    job = LogicalEntry("thc_jobs", (Match("hdr.thc.job", cfg.job),), "job_config",
+                       tuple((name, int(vals[name])) for name in JOB_PARAMS))
+    return JobEntries(lookups, group, job)
+
+
+def service_entry(ip: str, mac: str) -> LogicalEntry:
+    """The ``thc_service`` entry that makes ``ip`` an aggregator address answering from ``mac``."""
+    return LogicalEntry("thc_service", (Match("hdr.ipv4.dstAddr", int(ipaddress.IPv4Address(ip))),),
+                        "thc_serve", (("switch_mac", mac_int(mac)),))
+
+
+def route_entry(prefix: str, dst_mac: str, port: int) -> LogicalEntry:
+    """The ``ipv4_lpm`` entry forwarding ``prefix`` out of ``port`` to next-hop ``dst_mac``."""
+    net = ipaddress.IPv4Network(prefix, strict=False)
+    return LogicalEntry("ipv4_lpm", (Match("hdr.ipv4.dstAddr", int(net.network_address), net.prefixlen),),
+                        "ipv4_forward", (("dst_mac", mac_int(dst_mac)), ("port", int(port))))
+
+
+def table_update(idx: P4InfoIndex, entry: LogicalEntry, kind: int = INSERT) -> p4runtime_pb2.Update:
+    """The P4Runtime update of a logical entry (ids and widths from the P4Info).
+
+    Raises JobRefused if a value does not fit its field in the compiled program."""
+    t = idx.table(entry.table)
+    a = idx.action(entry.action)
+    up = p4runtime_pb2.Update(type=kind)
+    te = up.entity.table_entry
+    te.table_id = t.id
+    try:
+        for m in entry.match:
+            fid, width, _ = idx.match_field(t.name, m.field)
+            fm = te.match.add(field_id=fid)
+            if m.prefix_len is None:
+                fm.exact.value = encode(m.value, width)
+            else:
+                fm.lpm.value = encode(m.value, width)
+                fm.lpm.prefix_len = m.prefix_len
+        te.action.action.action_id = a.id
+        for name, value in entry.params:
+            pid, width = idx.param(a.name, name)
+            try:
+                te.action.action.params.add(param_id=pid, value=encode(value, width))
+            except ValueError:
+                raise JobRefused(f"{entry.table}: {name} = {value} does not fit the program's {width}-bit "
+                                 "field") from None
+    except ValueError as exc:
+        if isinstance(exc, JobRefused):
+            raise
+        raise JobRefused(f"{entry.table}: {exc}") from None
+    return up
+
+
+def group_update(group: MulticastGroup, kind: int = INSERT) -> p4runtime_pb2.Update:
+    """The P4Runtime multicast group entry of a logical group."""
+    up = p4runtime_pb2.Update(type=kind)
+    grp = up.entity.packet_replication_engine_entry.multicast_group_entry
+    grp.multicast_group_id = group.group
+    for port, rid in group.replicas:
+        grp.replicas.add(egress_port=port, instance=rid)
+    return up
+
+
 def job_updates(idx: P4InfoIndex, geometry: ProgramGeometry, cfg: JobConfig, ports: tuple[int, ...],
                 place: Placement, kind: int = INSERT) -> list[p4runtime_pb2.Update]:
     """The updates that install (``INSERT``) or rewrite (``MODIFY``) a job, in the order to send them:
     lookup entries, multicast group, then the job entry (which makes the job's packets accepted)."""
-    check_job(cfg, geometry, ports)
-    out: list[p4runtime_pb2.Update] = []
-    values = cfg.values().tolist()
-    for e in range(geometry.elems):
-        t = idx.table(f"lookup_{e}")
-        a = idx.action(f"value_{e}")
-        f_job, w_job, _ = idx.match_field(t.name, "meta.job_index")
-        f_idx, w_idx, _ = idx.match_field(t.name, f"hdr.data.i{e}")
-        p_v, w_v = idx.param(a.name, "v")
-        for i, v in enumerate(values):
-            up = p4runtime_pb2.Update(type=kind)
-            te = up.entity.table_entry
-            te.table_id = t.id
-            te.match.add(field_id=f_job).exact.value = encode(place.job_index, w_job)
-            te.match.add(field_id=f_idx).exact.value = encode(i, w_idx)
-            te.action.action.action_id = a.id
-            te.action.action.params.add(param_id=p_v, value=encode(int(v), w_v))
-            out.append(up)
-    up = p4runtime_pb2.Update(type=kind)
-    grp = up.entity.packet_replication_engine_entry.multicast_group_entry
-    grp.multicast_group_id = place.mcast_grp
-    for w, port in enumerate(ports):
-        grp.replicas.add(egress_port=port, instance=replica_id(place.job_index, w))
-    out.append(up)
-    out.append(_job_entry_update(idx, cfg, place, kind))
+    ent = job_entries(cfg, geometry, ports, place)
+    out = [table_update(idx, e, kind) for e in ent.lookups]
+    out.append(group_update(ent.group, kind))
+    try:
+        out.append(table_update(idx, ent.job, kind))
+    except JobRefused as exc:
+        raise JobRefused(f"job {cfg.job}: {str(exc).removeprefix('thc_jobs: ')}") from None
     return out
-
-
-def _job_entry_update(idx: P4InfoIndex, cfg: JobConfig, place: Placement, kind: int) -> p4runtime_pb2.Update:
-    t = idx.table("thc_jobs")
-    a = idx.action("job_config")
-    f_job, w_job, _ = idx.match_field(t.name, "hdr.thc.job")
-    vals = {"key": cfg.key, "table_id": cfg.table_id, "workers": cfg.workers, "threshold": cfg.threshold,
-            "slots": cfg.slots, "slot_base": place.slot_base, "job_index": place.job_index,
-            "mcast_grp": place.mcast_grp, "gen": place.generation}
-    up = p4runtime_pb2.Update(type=kind)
-    te = up.entity.table_entry
-    te.table_id = t.id
-    te.match.add(field_id=f_job).exact.value = encode(cfg.job, w_job)
-    te.action.action.action_id = a.id
-    for name in JOB_PARAMS:
-        pid, width = idx.param(a.name, name)
-        try:
-            te.action.action.params.add(param_id=pid, value=encode(int(vals[name]), width))
-        except ValueError:
-            raise JobRefused(f"job {cfg.job}: {name} = {vals[name]} does not fit the program's {width}-bit "
-                             "field") from None
-    return up
 
 
 def place_job(cfg: JobConfig, geometry: ProgramGeometry, installed: list[InstalledJob],
@@ -299,36 +387,11 @@ class ThcSwitch:
     # -- forwarding ------------------------------------------------------------------------------
     def add_route(self, prefix: str, dst_mac: str, port: int) -> None:
         """Plain IPv4 forwarding: ``prefix`` (a.b.c.d/len) out of ``port`` to next-hop MAC ``dst_mac``."""
-        idx = self.index
-        t = idx.table("ipv4_lpm")
-        a = idx.action("ipv4_forward")
-        net = ipaddress.IPv4Network(prefix, strict=False)
-        f, w, _ = idx.match_field(t.name, "hdr.ipv4.dstAddr")
-        up = p4runtime_pb2.Update(type=INSERT)
-        te = up.entity.table_entry
-        te.table_id = t.id
-        m = te.match.add(field_id=f)
-        m.lpm.value = encode(int(net.network_address), w)
-        m.lpm.prefix_len = net.prefixlen
-        te.action.action.action_id = a.id
-        te.action.action.params.add(param_id=idx.param(a.name, "dst_mac")[0], value=encode(mac_int(dst_mac), 48))
-        te.action.action.params.add(param_id=idx.param(a.name, "port")[0],
-                                    value=encode(port, idx.param(a.name, "port")[1]))
-        self.client.write([up])
+        self.client.write([table_update(self.index, route_entry(prefix, dst_mac, port))])
 
     def add_service(self, ip: str, mac: str) -> None:
         """Make ``ip`` an aggregator address of this switch; answers come from ``mac``."""
-        idx = self.index
-        t = idx.table("thc_service")
-        a = idx.action("thc_serve")
-        f, w, _ = idx.match_field(t.name, "hdr.ipv4.dstAddr")
-        up = p4runtime_pb2.Update(type=INSERT)
-        te = up.entity.table_entry
-        te.table_id = t.id
-        te.match.add(field_id=f).exact.value = encode(int(ipaddress.IPv4Address(ip)), w)
-        te.action.action.action_id = a.id
-        te.action.action.params.add(param_id=idx.param(a.name, "switch_mac")[0], value=encode(mac_int(mac), 48))
-        self.client.write([up])
+        self.client.write([table_update(self.index, service_entry(ip, mac))])
 
     # -- jobs ------------------------------------------------------------------------------------
     def jobs(self) -> list[InstalledJob]:

@@ -1,0 +1,88 @@
+// TNA parsers and deparsers of the THC Tofino program (included by p4/tofino/thc.p4).
+//
+// Why a Tofino-specific file: a TNA ingress parser must first take the intrinsic metadata and skip the
+// port metadata, and this program carries a bridge header (plus the looked-up values) in front of
+// Ethernet, from ingress to egress and, for recirculated packets, from pass 1 to pass 2. After that
+// prefix both parsers run the shared ThcHeaderParser (p4/include/thc_parser.p4), so the THC header and
+// payloads are parsed exactly as on BMv2.
+#ifndef THC_TOFINO_PARSER_P4_
+#define THC_TOFINO_PARSER_P4_
+
+#include "thc_parser.p4"
+
+parser ThcIngressParser(packet_in pkt, out thc_headers_t hdr, out thc_metadata_t meta,
+                        out ingress_intrinsic_metadata_t ig_intr_md) {
+    ThcHeaderParser() thc_parser;
+
+    state start {
+        pkt.extract(ig_intr_md);
+        pkt.advance(PORT_METADATA_SIZE);
+        meta = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+        transition select(ig_intr_md.ingress_port) {
+            THC_RECIRC_PORT: parse_bridge;   // pass 2: the bridge header written by pass 1
+            default: parse_packet;
+        }
+    }
+    state parse_bridge {
+        pkt.extract(hdr.bridge);
+        transition select(hdr.bridge.has_values) {
+            1: parse_values;
+            default: parse_packet;
+        }
+    }
+    state parse_values {
+        pkt.extract(hdr.values);
+        transition parse_packet;
+    }
+    state parse_packet {
+        thc_parser.apply(pkt, hdr);
+        transition accept;
+    }
+}
+
+control ThcIngressDeparser(packet_out pkt, inout thc_headers_t hdr, in thc_metadata_t meta,
+                           in ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md) {
+    apply {
+        pkt.emit(hdr);
+    }
+}
+
+parser ThcEgressParser(packet_in pkt, out thc_headers_t hdr, out thc_egress_metadata_t meta,
+                       out egress_intrinsic_metadata_t eg_intr_md) {
+    ThcHeaderParser() thc_parser;
+
+    state start {
+        pkt.extract(eg_intr_md);
+        meta = {0, 0, 0, 0};
+        pkt.extract(hdr.bridge);   // every packet carries one from ingress
+        transition select(hdr.bridge.has_values) {
+            1: parse_values;
+            default: parse_packet;
+        }
+    }
+    state parse_values {
+        pkt.extract(hdr.values);
+        transition parse_packet;
+    }
+    state parse_packet {
+        thc_parser.apply(pkt, hdr);
+        transition accept;
+    }
+}
+
+control ThcEgressDeparser(packet_out pkt, inout thc_headers_t hdr, in thc_egress_metadata_t meta,
+                          in egress_intrinsic_metadata_for_deparser_t eg_dprsr_md) {
+    Checksum() ipv4_checksum;
+
+    apply {
+        if (hdr.ipv4.isValid()) {
+            hdr.ipv4.hdrChecksum = ipv4_checksum.update({
+                hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.diffserv, hdr.ipv4.totalLen, hdr.ipv4.identification,
+                hdr.ipv4.flags, hdr.ipv4.fragOffset, hdr.ipv4.ttl, hdr.ipv4.protocol, hdr.ipv4.srcAddr,
+                hdr.ipv4.dstAddr});
+        }
+        pkt.emit(hdr);
+    }
+}
+
+#endif  // THC_TOFINO_PARSER_P4_

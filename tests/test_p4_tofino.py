@@ -1,0 +1,169 @@
+"""The Tofino (TNA) program: generated from its template, same headers as the wire format, within
+Tofino's rules as far as a text check can tell, and accepted by p4c's front end (p4test) with tna.p4.
+
+The Tofino back end (bf-p4c) is not built on the development machines; its test skips saying so."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.test_p4_headers import parse_consts, parse_header
+from tests.test_p4_support import INCLUDE_DIR, P4_DIR, load_script
+from worker_lib.wire.layout import MAX_WORKERS
+
+gen = load_script("gen_tofino")
+PROGRAM = P4_DIR / "tofino" / "thc.p4"
+TNA_DIRS = ("/usr/local/share/p4c/tna-include", "/usr/share/p4c/tna-include")
+
+
+def _strip_comments(text: str) -> str:
+    return re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
+
+
+def tna_include_dir() -> Path:
+    """A directory holding tna.p4: $THC_TNA_INCLUDE, else the usual install places; skip if none."""
+    env = os.environ.get("THC_TNA_INCLUDE")
+    candidates = [env] if env else list(TNA_DIRS)
+    for c in candidates:
+        if c and (Path(c) / "tna.p4").is_file():
+            return Path(c)
+    where = f"THC_TNA_INCLUDE={env}" if env else " or ".join(TNA_DIRS)
+    pytest.skip(f"needs tna.p4 (p4c backends/tofino/bf-p4c/p4include) in {where}; set THC_TNA_INCLUDE")
+
+
+def p4test_path() -> str:
+    """The p4test executable (p4c's front-end test driver); skip if absent."""
+    path = shutil.which("p4test")
+    if path is None:
+        pytest.skip("needs p4test (p4c's front end) on PATH: see docs/bmv2.md or the Vagrantfile")
+    return path
+
+
+def run_p4test(program: Path) -> subprocess.CompletedProcess[str]:
+    """p4test -D__TARGET_TOFINO__=1 -I <tna> -I p4/include <program> (its own directory is searched too)."""
+    cmd = [p4test_path(), "-D__TARGET_TOFINO__=1", "-I", str(tna_include_dir()), "-I", str(INCLUDE_DIR),
+           str(program)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+
+
+def test_checked_in_program_is_current() -> None:
+    """p4/tofino/thc.p4 is exactly what p4/gen_tofino.py renders from the template with the defaults."""
+    assert PROGRAM.read_text() == gen.render(), "run: python p4/gen_tofino.py"
+
+
+def test_gen_check_flag_detects_a_stale_file(tmp_path: Path) -> None:
+    """--check exits 1 for a file that differs from the rendering and 0 for a current one."""
+    out = tmp_path / "thc.p4"
+    out.write_text("stale\n")
+    assert gen.main(["--check", "--output", str(out)]) == 1
+    assert gen.main(["--output", str(out)]) == 0
+    assert gen.main(["--check", "--output", str(out)]) == 0
+
+
+def test_program_uses_the_shared_headers_and_parser() -> None:
+    """The THC header comes from p4/include (generated from the wire layout), not a copy: the Tofino
+    program defines no thc_h of its own, includes thc_common.p4, and its parser runs ThcHeaderParser."""
+    text = PROGRAM.read_text()
+    assert '#include "thc_common.p4"' in text
+    assert not re.search(r"header\s+thc_h\s*\{", text)
+    parser = (P4_DIR / "tofino" / "parser.p4").read_text()
+    assert '#include "thc_parser.p4"' in parser
+    assert parser.count("thc_parser.apply(pkt, hdr);") == 2  # ingress and egress
+
+
+@pytest.mark.parametrize(("elems", "bits", "rbits"), [(8, 2, 8), (32, 4, 8), (16, 8, 16), (24, 4, 16)])
+def test_payload_headers_follow_the_geometry(elems: int, bits: int, rbits: int) -> None:
+    """K index fields of b bits (i0.. in wire order); K values and K sums; K lookup tables and K sum
+    registers, each table applied once and each register with its own RegisterActions."""
+    text = gen.render(gen.TofinoGeometry(elems=elems, bits=bits, result_bits=rbits))
+    assert parse_header(text, "thc_data_h") == [(f"i{e}", bits) for e in range(elems)]
+    for name, prefix in (("thc_values_h", "v"), ("thc_result_h", "s")):
+        body = re.search(rf"header {name} \{{(.*?)\}}", text, re.S).group(1)
+        assert re.findall(r"bit<THC_RESULT_BITS> (\w+);", body) == [f"{prefix}{e}" for e in range(elems)]
+    assert f"#define THC_RESULT_BITS {rbits}" in text
+    code = _strip_comments(text)
+    assert sorted(int(x) for x in re.findall(r"lookup_(\d+)\.apply\(\)", code)) == list(range(elems))
+    assert sorted(int(x) for x in re.findall(r"\) sums_(\d+);", code)) == list(range(elems))
+    assert "@" not in code
+
+
+def test_consts_match_the_geometry() -> None:
+    """The generated constants are the geometry's (data and result bytes from K, b, result width)."""
+    g = gen.TofinoGeometry(elems=16, bits=4, result_bits=16, slots=2048, jobs=4, recirc_port=196)
+    c = parse_consts(gen.render(g))
+    assert (c["THC_K"], c["THC_INDEX_BITS"], c["THC_RESULT_BITS"]) == (16, 4, 16)
+    assert (c["THC_DATA_BYTES"], c["THC_RESULT_BYTES"]) == (16 * 4 // 8, 16 * 16 // 8)
+    assert (c["THC_SLOTS"], c["THC_JOBS"]) == (2048, 4)
+    assert "const PortId_t THC_RECIRC_PORT = 196;" in gen.render(g)
+
+
+def test_program_keeps_tofinos_register_rules() -> None:
+    """Text-level Tofino rules: no v1model register calls (.read/.write), cells of 8/16/32 bits (or a pair
+    of 16-bit halves), every register used through RegisterActions, no more registers than one pipe's
+    12 x 4 stateful ALUs, and the worker bitmap is one 32-bit cell (MAX_WORKERS = 32)."""
+    code = _strip_comments(PROGRAM.read_text())
+    assert not re.search(r"\.\s*(read|write)\s*\(", code)
+    regs = re.findall(r"Register<([^,]+),\s*bit<32>>\((\w+)\)\s+(\w+);", code)
+    assert regs, "no Register declarations found"
+    assert len(regs) <= 12 * 4
+    widths = {"bit<8>": 8, "bit<16>": 16, "bit<32>": 32, "slot_state_t": 32,
+              "bit<THC_RESULT_BITS>": parse_consts(code)["THC_RESULT_BITS"]}
+    for cell, _size, name in regs:
+        assert cell in widths and widths[cell] in (8, 16, 32), f"register {name} has cell type {cell}"
+        assert re.search(rf"RegisterAction<[^\n]*?>\({name}\)", code), f"register {name} has no RegisterAction"
+    assert re.search(r"struct slot_state_t \{\s*bit<16> round;\s*bit<16> used;\s*\}", code)
+    assert MAX_WORKERS == 32 and "Register<bit<32>, bit<32>>(THC_BANKS) bank_seen;" in code
+    assert "for (" not in code and "while" not in code
+
+
+@pytest.mark.parametrize("bad", [dict(elems=12), dict(elems=40), dict(bits=0), dict(bits=9),
+                                 dict(result_bits=32), dict(slots=0), dict(jobs=4096), dict(recirc_port=512)])
+def test_bad_geometry_is_refused(bad: dict) -> None:
+    """Geometries the program cannot have are refused with a message naming the parameter."""
+    with pytest.raises(ValueError, match=next(iter(bad)).split("_")[0]):
+        gen.TofinoGeometry(**bad)
+
+
+def test_p4test_front_end_accepts_the_program() -> None:
+    """p4c's front end (p4test) with tna.p4 accepts p4/tofino/thc.p4 without errors or warnings."""
+    proc = run_p4test(PROGRAM)
+    assert proc.returncode == 0, f"p4test failed:\n{proc.stderr}\n{proc.stdout}"
+    assert "error" not in proc.stderr.lower() and "warning" not in proc.stderr.lower(), proc.stderr
+
+
+@pytest.mark.parametrize(("elems", "rbits"), [(8, 8), (16, 16)])
+def test_p4test_accepts_other_geometries(tmp_path: Path, elems: int, rbits: int) -> None:
+    """Other geometries of the generator also pass the front end (rendered next to a copy of parser.p4)."""
+    out = tmp_path / "thc.p4"
+    out.write_text(gen.render(gen.TofinoGeometry(elems=elems, result_bits=rbits)))
+    shutil.copy(P4_DIR / "tofino" / "parser.p4", tmp_path / "parser.p4")
+    proc = run_p4test(out)
+    assert proc.returncode == 0, f"p4test failed:\n{proc.stderr}"
+
+
+def test_p4test_rejects_a_broken_program(tmp_path: Path) -> None:
+    """The front-end test can fail: a use of an undeclared name in the program is an error."""
+    out = tmp_path / "thc.p4"
+    out.write_text(PROGRAM.read_text().replace("hdr.values.v0 = v;", "hdr.values.v0 = v + thc_no_such_name;"))
+    shutil.copy(P4_DIR / "tofino" / "parser.p4", tmp_path / "parser.p4")
+    proc = run_p4test(out)
+    assert proc.returncode != 0 and "thc_no_such_name" in proc.stderr
+
+
+def test_bf_p4c_compiles_for_tofino1(tmp_path: Path) -> None:
+    """Where the Tofino back end (bf-p4c) is installed, the program compiles for Tofino 1."""
+    bf = shutil.which("bf-p4c")
+    if bf is None:
+        pytest.skip("needs bf-p4c (the Tofino compiler back end, p4c backends/tofino or Intel's SDE); it is not "
+                    "built on the development machines, so only p4c's front end (p4test) has checked this "
+                    "program: see p4/tofino/README.md")
+    cmd = [bf, "--target", "tofino", "--arch", "tna", "-I", str(INCLUDE_DIR), "-o", str(tmp_path / "out"),
+           str(PROGRAM)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+    assert proc.returncode == 0, f"bf-p4c failed:\n{proc.stderr}\n{proc.stdout}"

@@ -1,0 +1,287 @@
+"""The Tofino control plane: the bfrt_python scripts of aggregator/p4rt/bfrt.py and thc-switch --target tofino.
+
+Expected entries are computed here from the job's table values and configuration, and the BMv2
+P4Runtime updates for the same job are decoded back through the checked-in P4Info: both targets must get
+the same logical entries. The scripts themselves run only on a switch with the SDE (docs/tofino.md); here a
+fake ``run_bfshell.sh`` stands in to check that thc-switch runs them and reads the counters back."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import stat
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+from p4.config.v1 import p4info_pb2
+
+from aggregator.jobs import JobConfig
+from aggregator.p4rt import JobRefused, P4InfoIndex, ProgramGeometry
+from aggregator.p4rt.bfrt import (
+    DEFAULT_TOFINO_GEOMETRY,
+    EGRESS_REGISTERS,
+    INGRESS_REGISTERS,
+    BfrtUnavailable,
+    TofinoJob,
+    TofinoPlan,
+    bfrt_load_script,
+    bfrt_stats_script,
+    bfshell,
+    parse_stats_output,
+    stats_from_raw,
+)
+from aggregator.p4rt.cli import main as cli_main
+from aggregator.p4rt.errors import SwitchError
+from aggregator.p4rt.thc import Placement, job_updates
+from aggregator.state import Counter
+from tests.test_p4_support import CHECKED_IN_P4INFO, P4_DIR, load_script
+
+gen_tofino = load_script("gen_tofino")
+TOFINO_PROGRAM = P4_DIR / "tofino" / "thc.p4"
+GEN = 0x1234
+CALL = re.compile(r"^ing\.(\w+)\.add_with_(\w+)\((.*)\)$")
+
+
+def sample_job() -> JobConfig:
+    """A THC job the default programs of both targets can aggregate (3 workers, K = 32, 8-bit sums)."""
+    return JobConfig(job=7, key=0x54484321, workers=3, threshold=2, elems=32, result_bits=8, slots=16)
+
+
+def parse_calls(script: str) -> list[tuple[str, str, dict[str, int]]]:
+    """(table, action, keyword arguments) of every ``ing.<table>.add_with_<action>(...)`` line."""
+    out = []
+    for line in script.splitlines():
+        m = CALL.match(line)
+        if m:
+            call = ast.parse(f"f({m.group(3)})", mode="eval").body
+            assert isinstance(call, ast.Call)
+            out.append((m.group(1), m.group(2), {k.arg: ast.literal_eval(k.value) for k in call.keywords}))
+    return out
+
+
+def expected_job_calls(cfg: JobConfig, job_index: int, slot_base: int, mcast_grp: int,
+                       ) -> list[tuple[str, str, dict[str, int]]]:
+    """The lookup and job entries of a job, from its table values and configuration (bfrt key names)."""
+    values = [int(v) for v in cfg.values()]
+    assert len(values) == 1 << cfg.bits
+    out = [(f"lookup_{e}", f"value_{e}", {"job_index": job_index, f"i{e}": i, "v": v})
+           for e in range(32) for i, v in enumerate(values)]
+    out.append(("thc_jobs", "job_config", {
+        "job": cfg.job, "key": cfg.key, "table_id": cfg.table_id, "workers": cfg.workers,
+        "threshold": cfg.threshold, "slots": cfg.slots, "slot_base": slot_base, "job_index": job_index,
+        "mcast_grp": mcast_grp, "gen": GEN}))
+    return out
+
+
+def test_default_geometry_is_the_generators() -> None:
+    """The control plane's Tofino geometry is the one p4/gen_tofino.py renders thc.p4 with."""
+    g = gen_tofino.TofinoGeometry()
+    assert DEFAULT_TOFINO_GEOMETRY == ProgramGeometry(g.elems, g.bits, g.result_bits, g.slots, g.jobs)
+
+
+def test_reset_covers_every_register_of_the_program() -> None:
+    """The load script clears every Register declared in p4/tofino/thc.p4 (ingress and egress), with the
+    data fields of its cell type, and nothing else."""
+    text = TOFINO_PROGRAM.read_text()
+    ingress, egress = text.split("control ThcEgress(", 1)
+    ing_regs = set(re.findall(r"^\s*Register<[^\n]*?>\(\w+\) (\w+);", ingress, re.M))
+    egr_regs = set(re.findall(r"^\s*Register<[^\n]*?>\(\w+\) (\w+);", egress, re.M))
+    assert {r for r in ing_regs if not r.startswith("sums_")} == set(INGRESS_REGISTERS)
+    assert egr_regs == set(EGRESS_REGISTERS)
+    script = bfrt_load_script(TofinoPlan())
+    cleared = set(re.findall(r"^(?:ing|egr)\.(\w+)\.clear\(\)$", script, re.M))
+    assert cleared == ing_regs - {f"sums_{e}" for e in range(32)} | egr_regs
+    # The sums need no reset: a FRESH or NEWER packet overwrites its bank's sums (sum_set_<e>).
+    code = re.sub(r"//[^\n]*", "", text)
+    assert re.search(r"struct slot_state_t \{\s*bit<16> round;\s*bit<16> used;", code)
+    assert INGRESS_REGISTERS["slot_state"] == ("round", "used")
+
+
+def test_bfrt_script_installs_the_expected_entries() -> None:
+    """Lookup entries (job row, index) -> T[index] for all 32 elements, the job entry with the job's
+    configuration, PRE nodes (rid = row * 32 + worker, one port each) and the group of those nodes."""
+    cfg = sample_job()
+    script = bfrt_load_script(TofinoPlan(jobs=(TofinoJob(cfg, (5, 6, 9)),)), generation=GEN)
+    calls = parse_calls(script)
+    assert calls == expected_job_calls(cfg, job_index=0, slot_base=0, mcast_grp=1)
+    nodes = re.findall(r"bfrt\.pre\.node\.entry\(MULTICAST_NODE_ID=(\d+), MULTICAST_RID=(\d+), "
+                       r"MULTICAST_LAG_ID=\[\], DEV_PORT=\[(\d+)\]\)\.push\(\)", script)
+    assert sorted((int(r), int(p)) for _, r, p in nodes) == [(0, 5), (1, 6), (2, 9)]
+    m = re.search(r"bfrt\.pre\.mgid\.entry\(MGID=1, MULTICAST_NODE_ID=\[([\d, ]+)\]", script)
+    assert m and sorted(int(x) for x in m.group(1).split(",")) == sorted(int(n) for n, _, _ in nodes)
+    ports = sorted(int(p) for p in re.findall(r"bfrt\.port\.port\.add\(DEV_PORT=(\d+),", script))
+    assert ports == [5, 6, 9]
+
+
+def test_script_order_makes_the_job_live_last() -> None:
+    """Ports, then register reset, then lookups and the group, then the job entry, then completion."""
+    script = bfrt_load_script(TofinoPlan(jobs=(TofinoJob(sample_job(), (1, 2, 3)),)), generation=GEN)
+    lines = script.splitlines()
+    pos = {key: next(i for i, ln in enumerate(lines) if ln.startswith(key))
+           for key in ("bfrt.port.port.add", "ing.slot_state.clear", "ing.lookup_0.", "bfrt.pre.mgid",
+                       "ing.thc_jobs.", "bfrt.complete_operations")}
+    assert list(pos.values()) == sorted(pos.values())
+    assert max(i for i, ln in enumerate(lines) if ln.startswith("ing.lookup_")) < pos["ing.thc_jobs."]
+
+
+def test_both_targets_get_the_same_logical_entries() -> None:
+    """The BMv2 P4Runtime updates (decoded through the P4Info) and the bfrt script hold the same
+    entries for the same job and placement, and both equal the ones computed from the job's table."""
+    if not CHECKED_IN_P4INFO.exists():
+        pytest.skip(f"{CHECKED_IN_P4INFO} is missing (compile p4/bmv2/thc.p4 with p4c-bm2-ss)")
+    idx = P4InfoIndex(text_format.Parse(CHECKED_IN_P4INFO.read_text(), p4info_pb2.P4Info()))
+    cfg, ports = sample_job(), (5, 6, 9)
+    place = Placement(job_index=0, slot_base=0, generation=GEN)
+    ups = job_updates(idx, ProgramGeometry.from_index(idx), cfg, ports, place)
+    tables = {t.id: t for t in idx.tables.values()}
+    actions = {a.id: a for a in idx.actions.values()}
+    bmv2 = []
+    groups = []
+    for up in ups:
+        if up.entity.HasField("packet_replication_engine_entry"):
+            g = up.entity.packet_replication_engine_entry.multicast_group_entry
+            groups.append((g.multicast_group_id, sorted((r.egress_port, r.instance) for r in g.replicas)))
+            continue
+        te = up.entity.table_entry
+        t, a = tables[te.table_id], actions[te.action.action.action_id]
+        names = {fid: name for name, (fid, _w, _m) in t.fields.items()}
+        pnames = {pid: name for name, (pid, _w) in a.params.items()}
+        kw = {names[m.field_id].rsplit(".", 1)[-1]: int.from_bytes(m.exact.value, "big") for m in te.match}
+        kw.update({pnames[p.param_id]: int.from_bytes(p.value, "big") for p in te.action.action.params})
+        bmv2.append((t.name.rsplit(".", 1)[-1], a.name.rsplit(".", 1)[-1], kw))
+    tofino = parse_calls(bfrt_load_script(TofinoPlan(jobs=(TofinoJob(cfg, ports),)), generation=GEN))
+    expected = expected_job_calls(cfg, job_index=0, slot_base=0, mcast_grp=1)
+    assert bmv2 == expected
+    assert tofino == expected
+    assert groups == [(1, [(5, 0), (6, 1), (9, 2)])]
+
+
+def test_services_routes_and_two_jobs() -> None:
+    """Service and LPM route entries; a second job gets the next row, the next slot range, group 2 and
+    its own PRE node ids and replication ids (row 1: 32 + worker)."""
+    a = sample_job()
+    b = JobConfig(job=8, key=1, workers=2, elems=32, result_bits=8, slots=8)
+    plan = TofinoPlan(jobs=(TofinoJob(a, (1, 2, 3)), TofinoJob(b, (4, 5))),
+                      services=(("10.0.0.100", "02:00:00:00:01:00"),),
+                      routes=(("10.0.1.0/24", "00:00:00:00:00:07", 7),))
+    calls = parse_calls(bfrt_load_script(plan, generation=GEN))
+    assert ("thc_service", "thc_serve", {"dstAddr": 0x0A000064, "switch_mac": 0x020000000100}) in calls
+    assert ("ipv4_lpm", "ipv4_forward", {"dstAddr": 0x0A000100, "dstAddr_p_length": 24,
+                                         "dst_mac": 7, "port": 7}) in calls
+    jobs = [kw for t, _, kw in calls if t == "thc_jobs"]
+    assert [(j["job"], j["job_index"], j["slot_base"], j["mcast_grp"]) for j in jobs] == [(7, 0, 0, 1), (8, 1, 16, 2)]
+    script = bfrt_load_script(plan, generation=GEN)
+    nodes = [tuple(map(int, x)) for x in re.findall(r"MULTICAST_NODE_ID=(\d+), MULTICAST_RID=(\d+)", script)]
+    assert len({n for n, _ in nodes}) == 5
+    assert sorted(r for _, r in nodes) == [0, 1, 2, 32, 33]
+
+
+def test_a_job_the_program_cannot_aggregate_is_refused() -> None:
+    """K other than the compiled 32, or more ports than workers: JobRefused, naming the problem."""
+    with pytest.raises(JobRefused, match="K = 16"):
+        bfrt_load_script(TofinoPlan(jobs=(TofinoJob(JobConfig(workers=2, elems=16, result_bits=8), (1, 2)),)))
+    with pytest.raises(JobRefused, match="ports"):
+        bfrt_load_script(TofinoPlan(jobs=(TofinoJob(sample_job(), (1, 2)),)))
+
+
+def test_stats_mapping() -> None:
+    """Counter names from the program's four counters: thc_stats at Counter's indices, RX, ACCEPTED =
+    NORM + DATA accepted, ELEMENTS = DATA accepted x K, COMPLETED."""
+    stats = [100 + i for i in range(len(Counter))]
+    out = stats_from_raw({"thc_stats": stats, "thc_rx": [50], "thc_accepted": [3, 4], "thc_completed": [2]}, 32)
+    assert out["RX"] == 50 and out["ACCEPTED"] == 7 and out["ELEMENTS"] == 128 and out["COMPLETED"] == 2
+    assert out["STRAGGLER"] == 100 + Counter.STRAGGLER.value and out["BAD_KEY"] == 100 + Counter.BAD_KEY.value
+    assert set(out) == {c.name for c in Counter}
+
+
+def test_stats_script_reads_the_programs_counters() -> None:
+    """The stats script reads thc_stats, thc_rx, thc_accepted and thc_completed, whose sizes are the
+    program's; its output line parses back; a missing line is an error, not zeros."""
+    text = TOFINO_PROGRAM.read_text()
+    sizes = dict((n, s) for s, n in re.findall(r"Counter<bit<64>, bit<32>>\((\w+), CounterType_t\.PACKETS\) (\w+);",
+                                              text))
+    script = bfrt_stats_script()
+    assert sizes["thc_rx"] == "1" and "_cells(ing.thc_rx, 1)" in script
+    assert sizes["thc_accepted"] == "2" and "_cells(ing.thc_accepted, 2)" in script
+    assert sizes["thc_stats"] == "THC_NUM_COUNTERS" and f"_cells(ing.thc_stats, {len(Counter)})" in script
+    raw = {"thc_stats": [0] * len(Counter), "thc_rx": [9], "thc_accepted": [1, 1], "thc_completed": [1]}
+    assert parse_stats_output("noise\nTHC_STATS " + json.dumps(raw) + "\n", 32)["RX"] == 9
+    with pytest.raises(SwitchError, match="THC_STATS"):
+        parse_stats_output("bfshell> nothing\n", 32)
+
+
+def test_without_the_sde_scripts_are_written_not_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """thc-switch load --target tofino writes the script and says why it did not run it; stats fails
+    with a one-line error naming $SDE."""
+    monkeypatch.delenv("SDE", raising=False)
+    with pytest.raises(BfrtUnavailable, match=r"\$SDE"):
+        bfshell()
+    out = tmp_path / "load.py"
+    rc = cli_main(["load", "--target", "tofino", "--job", "job=7,workers=2,elems=32,result_bits=8",
+                   "--ports", "1,2", "--output", str(out)])
+    assert rc == 0 and "ing.thc_jobs.add_with_job_config(job=0x7," in out.read_text()
+    assert "script not run" in capsys.readouterr().err
+    assert cli_main(["stats", "--target", "tofino"]) == 1
+    assert "$SDE" in capsys.readouterr().err
+
+
+def test_with_an_sde_thc_switch_runs_the_scripts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Where $SDE/run_bfshell.sh exists, load runs the script with -b and stats parses its output
+    (a fake bfshell stands in for the SDE's: it logs its arguments and prints counters)."""
+    sde = tmp_path / "sde"
+    sde.mkdir()
+    log = tmp_path / "calls.txt"
+    raw = {"thc_stats": [0] * len(Counter), "thc_rx": [11], "thc_accepted": [1, 2], "thc_completed": [1]}
+    shell = sde / "run_bfshell.sh"
+    shell.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\necho 'THC_STATS {json.dumps(raw)}'\n")
+    shell.chmod(shell.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("SDE", str(sde))
+    script = tmp_path / "load.py"
+    rc = cli_main(["load", "--target", "tofino", "--job", "job=7,workers=2,elems=32,result_bits=8",
+                   "--ports", "1,2", "--output", str(script)])
+    assert rc == 0 and log.read_text().split() == ["-b", str(script)]
+    capsys.readouterr()
+    assert cli_main(["stats", "--target", "tofino"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["RX"] == 11 and got["ELEMENTS"] == 2 * 32 and got["ACCEPTED"] == 3
+
+
+def test_script_names_exist_in_the_tofino_program() -> None:
+    """Every table, action, key and parameter the load script names is declared in p4/tofino/thc.p4 with
+    that name (bfrt_python keys are the last component of the P4 key's name; LPM adds <key>_p_length)."""
+    code = re.sub(r"//[^\n]*|/\*.*?\*/", "", TOFINO_PROGRAM.read_text(), flags=re.S)
+    actions = {name: [p.split()[-1] for p in params.split(",") if p.strip()]
+               for name, params in re.findall(r"action (\w+)\(([^)]*)\)", code)}
+    tables = {name: (re.findall(r"([\w.]+): (exact|lpm);", keys), acts.replace(" ", "").split(";"))
+              for name, keys, acts in re.findall(
+                  r"table (\w+) \{\s*key = \{([^}]*)\}\s*actions = \{([^}]*)\}", code)}
+    plan = TofinoPlan(jobs=(TofinoJob(sample_job(), (1, 2, 3)),), services=(("10.0.0.100", "02:00:00:00:01:00"),),
+                      routes=(("10.0.1.0/24", "00:00:00:00:00:07", 7),))
+    calls = parse_calls(bfrt_load_script(plan, generation=GEN))
+    assert {t for t, _, _ in calls} == {f"lookup_{e}" for e in range(32)} | {"thc_jobs", "thc_service", "ipv4_lpm"}
+    for table, action, kw in calls:
+        assert table in tables, f"no table {table} in the Tofino program"
+        keys, acts = tables[table]
+        assert action in acts, f"table {table} has no action {action}"
+        names = {k.rsplit(".", 1)[-1] for k, _ in keys} | {f"{k.rsplit('.', 1)[-1]}_p_length"
+                                                            for k, kind in keys if kind == "lpm"}
+        assert set(kw) == names | set(actions[action]), (table, action, sorted(kw))
+
+
+def test_cli_geometry_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    """--geometry tells thc-switch the program was generated for another K: a K = 16 job is refused by the
+    default (K = 32) and installed with 16 lookup tables under --geometry 16,4,16,4096,8."""
+    monkeypatch.delenv("SDE", raising=False)
+    spec = "job=3,workers=2,elems=16,result_bits=16"
+    assert cli_main(["load", "--target", "tofino", "--job", spec, "--ports", "1,2", "--no-run"]) == 1
+    assert "K = 16" in capsys.readouterr().err
+    out = tmp_path / "load.py"
+    assert cli_main(["load", "--target", "tofino", "--job", spec, "--ports", "1,2", "--no-run",
+                     "--geometry", "16,4,16,4096,8", "--output", str(out)]) == 0
+    tables = {t for t, _, _ in parse_calls(out.read_text())}
+    assert tables == {f"lookup_{e}" for e in range(16)} | {"thc_jobs"}
