@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import ctypes.util
 import json
 import multiprocessing as mp
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from aggregator.jobs import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig, JobConfigError
+from aggregator.launch import die_with_parent, local_aggregator
 from aggregator.state import Aggregator
 from worker_lib.wire.layout import PacketType
 from worker_lib.wire.serializer import build_batch, decode_sums, header_view, pack_indices_np
@@ -75,7 +72,7 @@ def _worker(spec: RunSpec, worker: int, barrier: mp.synchronize.Barrier) -> None
     from worker_lib.transport import Transport, TransportConfig
     from worker_lib.transport_thc import THCAllreduce
 
-    _die_with_parent()
+    die_with_parent()
     torch.set_num_threads(1)
     cfg = spec.job
     tcfg = TransportConfig(job_params(cfg), worker=worker, aggregator=(spec.host, spec.port), shards=spec.shards,
@@ -182,40 +179,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if thc-allreduce dies (even by SIGKILL), so no aggregator is orphaned."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-@contextlib.contextmanager
-def started_aggregator(cfg: JobConfig, shards: int, pcap: Path | None):
-    """Run thc-aggregator on a free loopback port for the duration of the block; yields its port."""
-    spec = ",".join(f"{k}={v if not isinstance(v, list) else ':'.join(map(str, v))}"
-                    for k, v in cfg.to_dict().items())
-    cmd = [sys.executable, "-m", "aggregator.cli", "--port", "0", "--shards", str(shards), "--job", spec]
-    if pcap is not None:
-        cmd += ["--pcap", str(pcap)]
-    if cfg.multicast:
-        cmd += ["--multicast"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_die_with_parent)
-    try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        if "listening on" not in line:
-            err = proc.stderr.read() if proc.stderr else ""
-            raise RuntimeError(f"thc-aggregator did not start: {line.strip()} {err.strip()}")
-        yield int(line.split()[3].rsplit(":", 1)[1])
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-
-
 def run(args: argparse.Namespace) -> dict:
     """Run the allreduce; returns the summary dict."""
     job = JobConfig(job=args.job, key=args.key, workers=args.workers, threshold=args.threshold, bits=args.bits,
@@ -228,7 +191,8 @@ def run(args: argparse.Namespace) -> dict:
             host, _, port_s = args.aggregator.rpartition(":")
             host, port = host or "127.0.0.1", int(port_s)
         else:
-            host, port = "127.0.0.1", stack.enter_context(started_aggregator(job, args.shards, args.pcap))
+            host, port = stack.enter_context(local_aggregator([job], shards=args.shards, multicast=bool(job.multicast),
+                                                              pcap=args.pcap))
         spec = RunSpec(job, host, port, args.shards, args.dim, args.steps, args.seed, args.loss_policy,
                        args.drop_up, args.drop_down, args.timeout, args.deadline, tmp, args.multicast, args.retries)
         ctx = mp.get_context("fork")

@@ -22,19 +22,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import gc
 import hashlib
 import json
 import logging
 import os
-import select
-import signal
 import socket
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,6 +39,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from aggregator.jobs import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig
+from aggregator.launch import local_aggregator
 from worker_lib.ddp import AggregatorUnreachable, DDPHookConfig, THCHookState, register_thc_hook
 
 log = logging.getLogger("train_ddp")
@@ -141,39 +137,6 @@ def route_address(target: str) -> str:
         return s.getsockname()[0]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no orphan aggregator if this rank dies
-
-
-@contextlib.contextmanager
-def start_aggregator(job: JobConfig, host: str, shards: int, multicast: bool,
-                     timeout: float = 60.0) -> Iterator[tuple[str, int]]:
-    """Run ``thc-aggregator`` serving ``job`` on ``host`` (free port) for the block; yields (host, port)."""
-    spec = ",".join(f"{k}={':'.join(map(str, v)) if isinstance(v, list) else v}" for k, v in job.to_dict().items())
-    cmd = [sys.executable, "-m", "aggregator.cli", "--host", host, "--port", "0", "--shards", str(shards),
-           "--job", spec]
-    if multicast:
-        cmd.append("--multicast")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], timeout)
-        line = proc.stdout.readline() if ready and proc.stdout else ""
-        if "listening on" not in line:
-            raise RuntimeError(f"thc-aggregator did not start within {timeout:.0f} s "
-                               f"(exit code {proc.poll()}): {line.strip()!r}")
-        port = int(line.split()[3].rsplit(":", 1)[1])
-        log.info("started thc-aggregator on %s:%d (pid %d)", host, port, proc.pid)
-        yield host, port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
 def job_config(args: argparse.Namespace, world: int) -> JobConfig:
     return JobConfig(job=args.job_id, key=args.key, workers=world, kind=args.compression, bits=args.bits,
                      granularity=args.granularity, p=args.p, slots=args.slots, elems=args.elems,
@@ -199,7 +162,7 @@ def publish_aggregator(args: argparse.Namespace, stack: contextlib.ExitStack, ra
     if rank == 0:
         host = args.aggregator_host or ("127.0.0.1" if single_node
                                         else route_address(os.environ.get("MASTER_ADDR", "127.0.0.1")))
-        where = stack.enter_context(start_aggregator(job_config(args, world), host, args.shards,
+        where = stack.enter_context(local_aggregator([job_config(args, world)], host=host, shards=args.shards,
                                                      multicast=bool(args.multicast)))
         store.set(_STORE_KEY, f"{where[0]}:{where[1]}")
     store.wait([_STORE_KEY], timedelta(seconds=120))

@@ -1,0 +1,69 @@
+"""Start a ``thc-aggregator`` process for the duration of a block (launchers, examples, benchmarks).
+
+Used by ``thc-allreduce`` and ``examples/train_ddp.py``: a job description becomes ``--job`` options,
+the process binds a free port and reports it on its first line, and it is stopped (and, should the
+launcher die, signalled by the kernel) when the block ends, so no aggregator is left orphaned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import select
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from aggregator.jobs import JobConfig
+
+log = logging.getLogger(__name__)
+
+
+def die_with_parent() -> None:
+    """In the child between fork and exec: receive SIGTERM when the parent dies, even by SIGKILL."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def job_spec(cfg: JobConfig) -> str:
+    """The ``--job`` option text of a job configuration."""
+    return ",".join(f"{k}={':'.join(map(str, v)) if isinstance(v, list) else v}" for k, v in cfg.to_dict().items())
+
+
+@contextlib.contextmanager
+def local_aggregator(jobs: Sequence[JobConfig], *, host: str = "127.0.0.1", shards: int = 1,
+                     multicast: bool = False, pcap: Path | None = None,
+                     timeout: float = 60.0) -> Iterator[tuple[str, int]]:
+    """Run ``thc-aggregator`` serving ``jobs`` on ``host`` (a free port); yields (host, port)."""
+    cmd = [sys.executable, "-m", "aggregator.cli", "--host", host, "--port", "0", "--shards", str(shards)]
+    for cfg in jobs:
+        cmd += ["--job", job_spec(cfg)]
+    if pcap is not None:
+        cmd += ["--pcap", str(pcap)]
+    if multicast:
+        cmd.append("--multicast")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=die_with_parent)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        line = proc.stdout.readline() if ready and proc.stdout else ""
+        if "listening on" not in line:
+            proc.kill()
+            err = proc.stderr.read() if proc.stderr else ""
+            raise RuntimeError(f"thc-aggregator did not start within {timeout:.0f} s (exit code {proc.poll()}): "
+                               f"{line.strip()} {err.strip()}")
+        port = int(line.split()[3].rsplit(":", 1)[1])
+        log.info("started thc-aggregator on %s:%d (pid %d)", host, port, proc.pid)
+        yield host, port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
