@@ -54,6 +54,8 @@ def require_root() -> str | None:
     missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
     if missing:
         return f"{' and '.join(missing)} not found: install iproute2"
+    if shutil.which("nft") is None:
+        return "nft not found: install nftables (random loss where the kernel has no tc netem)"
     return None
 
 
