@@ -472,36 +472,28 @@ class AggregatorServer:
 
         server = self
 
+        def families(prefix: str, snap: np.ndarray, counters: type, drops: tuple, helps: dict,
+                     dropped_help: str):  # type: ignore[no-untyped-def]
+            """One family per counter and shard, and one ``<prefix>_dropped`` family by reason."""
+            for c in counters:
+                if c in drops:
+                    continue
+                fam = CounterMetricFamily(f"{prefix}_{c.name.lower()}", helps[c], labels=["shard"])
+                for s in range(snap.shape[0]):
+                    fam.add_metric([str(s)], float(snap[s, c]))
+                yield fam
+            fam = CounterMetricFamily(f"{prefix}_dropped", dropped_help, labels=["reason", "shard"])
+            for c in drops:
+                for s in range(snap.shape[0]):
+                    fam.add_metric([c.name.lower(), str(s)], float(snap[s, c]))
+            yield fam
+
         class _Collector:
             def collect(self):  # type: ignore[no-untyped-def]
-                snap = server.counters.copy()
-                for c in Counter:
-                    if c in DROP_COUNTERS:
-                        continue
-                    fam = CounterMetricFamily(f"thc_aggregator_{c.name.lower()}", _HELP[c], labels=["shard"])
-                    for s in range(snap.shape[0]):
-                        fam.add_metric([str(s)], float(snap[s, c]))
-                    yield fam
-                fam = CounterMetricFamily("thc_aggregator_dropped", "packets dropped, by reason",
-                                          labels=["reason", "shard"])
-                for c in DROP_COUNTERS:
-                    for s in range(snap.shape[0]):
-                        fam.add_metric([c.name.lower(), str(s)], float(snap[s, c]))
-                yield fam
-                dsnap = server.dar_counters.copy()
-                for c in DarCounter:
-                    if c in DAR_DROP_COUNTERS:
-                        continue
-                    fam = CounterMetricFamily(f"thc_aggregator_dar_{c.name.lower()}", _DAR_HELP[c], labels=["shard"])
-                    for s in range(dsnap.shape[0]):
-                        fam.add_metric([str(s)], float(dsnap[s, c]))
-                    yield fam
-                fam = CounterMetricFamily("thc_aggregator_dar_dropped", "DAR fragments dropped, by reason",
-                                          labels=["reason", "shard"])
-                for c in DAR_DROP_COUNTERS:
-                    for s in range(dsnap.shape[0]):
-                        fam.add_metric([c.name.lower(), str(s)], float(dsnap[s, c]))
-                yield fam
+                yield from families("thc_aggregator", server.counters.copy(), Counter, DROP_COUNTERS, _HELP,
+                                    "packets dropped, by reason")
+                yield from families("thc_aggregator_dar", server.dar_counters.copy(), DarCounter,
+                                    DAR_DROP_COUNTERS, _DAR_HELP, "DAR fragments dropped, by reason")
 
         registry = CollectorRegistry()
         registry.register(_Collector())
