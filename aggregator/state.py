@@ -3,10 +3,10 @@
 This is the contract the P4 programs are held to (tests/scenarios.py) and what ``thc-aggregator``
 serves. Per configured job it keeps S slots x 2 banks x K elements, preallocated: round r of a slot
 aggregates in bank r mod 2 while the other bank retains round r-1's result (SwitchML's shadow
-copies). A batch of packets is validated with numpy in one pass; the table lookup of every THC DATA
-packet of the batch is one numpy gather; then a short loop applies the state table packet by packet
-(so packets of one batch see each other's effects in arrival order) with one numpy add over K
-elements per accepted packet.
+copies). A batch of packets is validated with numpy in one pass and grouped by slot; slots are
+independent, so every slot whose packets in the batch are the common case (one round, distinct new
+contributors, no completion before the last of them) is applied at once, vectorized across slots;
+the rest walk the state table packet by packet in arrival order (docs/aggregator.md).
 
 Only integers cross the aggregator: THC indices become integer table values, uncompressed payloads
 are int32 summed with two's-complement wrap (the worker's fixed-point scale prevents overflow),
@@ -70,21 +70,54 @@ def serial_newer(a: int, b: int) -> bool:
     return 0 < d < HALF
 
 
-def _byte_lut(values: np.ndarray, bits: int) -> np.ndarray | None:
-    """Table lookup of a whole payload byte at once: byte -> the 8/b int32 table values it packs.
+def _value_dtype(values: np.ndarray) -> np.dtype:
+    """The narrowest unsigned type holding every table value (0..g): a narrower lookup is a faster one."""
+    top = int(values.max())
+    return np.dtype(np.uint8 if top < 1 << 8 else np.uint16 if top < 1 << 16 else np.int32)
 
-    Returned as a (256,) array with one item of 8/b int32 per byte, so that one gather over the
-    packed payload yields the values in order (then viewed as int32). None when b does not divide 8
-    (then the indices are unpacked first).
+
+def _byte_lut(values: np.ndarray, bits: int) -> np.ndarray | None:
+    """Table lookup of a whole payload byte at once: byte -> the 8/b table values it packs.
+
+    Returned as a (256,) array with one item of 8/b values (of ``_value_dtype``) per byte, so that one
+    gather over the packed payload yields the values in order (then viewed as that type). None when
+    b does not divide 8 (then the indices are unpacked first).
     """
     if 8 % bits:
         return None
     per = 8 // bits
     mask = (1 << bits) - 1
+    vdt = _value_dtype(values)
     byte = np.arange(256)
-    lut = np.stack([values[(byte >> (8 - bits * (k + 1))) & mask] for k in range(per)], axis=1).astype(np.int32)
-    item = {1: np.dtype(np.int32), 2: np.dtype(np.int64)}.get(per, np.dtype((np.void, 4 * per)))
+    lut = np.stack([values[(byte >> (8 - bits * (k + 1))) & mask] for k in range(per)], axis=1).astype(vdt)
+    size = per * vdt.itemsize
+    item = np.dtype(f"u{size}") if size in (1, 2, 4, 8) else np.dtype((np.void, size))
     return np.ascontiguousarray(lut).view(item).reshape(256)
+
+
+def _group_sums(vals: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """Sums of the runs of rows of ``vals`` that begin at ``start`` (int32, wrapping like the loop's adds).
+
+    A batch is mostly slots with one packet from each of the n workers, cut at its two ends: the
+    longest block of consecutive runs of the largest size is summed with one reshape, the others
+    (few) with one vectorized add per row rank. (np.add.reduceat along axis 0 is much slower.)
+    """
+    size = np.diff(np.append(start, len(vals)))
+    z = int(size.max())
+    full = size == z
+    i0 = int(full.argmax())
+    i1 = i0 + (int(full[i0:].argmin()) if not full[i0:].all() else size.size - i0)
+    if i0 == 0 and i1 == size.size:
+        return vals.reshape(size.size, z, -1).sum(axis=1, dtype=np.int32)
+    out = np.empty((size.size, vals.shape[1]), np.int32)
+    out[i0:i1] = vals[start[i0]:start[i0] + (i1 - i0) * z].reshape(i1 - i0, z, -1).sum(axis=1, dtype=np.int32)
+    rest = np.concatenate((np.arange(i0), np.arange(i1, size.size)))
+    part = vals[start[rest]].astype(np.int32)
+    for k in range(1, int(size[rest].max())):
+        sel = np.flatnonzero(size[rest] > k)
+        part[sel] += vals[start[rest[sel]] + k]
+    out[rest] = part
+    return out
 
 
 class JobState:
@@ -95,15 +128,16 @@ class JobState:
         s, k = cfg.slots, cfg.elems
         self.values = cfg.values() if cfg.kind == "thc" else None
         self.byte_lut = _byte_lut(self.values, cfg.bits) if self.values is not None else None
+        self.value_dtype = _value_dtype(self.values) if self.values is not None else np.dtype(np.int32)
         self.sums = np.zeros((s, 2, k), np.int32)
-        self.norm = [0] * (2 * s)
-        self.used = [False] * s
-        self.cur_round = [0] * s
-        self.bank_round = [_EMPTY] * (2 * s)
-        self.bitmap = [0] * (2 * s)
-        self.count = [0] * (2 * s)
-        self.complete = [False] * (2 * s)
-        self.kind = [0] * (2 * s)
+        self.norm = np.zeros(2 * s, np.int64)
+        self.used = np.zeros(s, bool)
+        self.cur_round = np.zeros(s, np.int64)
+        self.bank_round = np.full(2 * s, _EMPTY, np.int64)
+        self.bitmap = np.zeros(2 * s, np.int64)
+        self.count = np.zeros(2 * s, np.int64)
+        self.complete = np.zeros(2 * s, bool)
+        self.kind = np.zeros(2 * s, np.int64)
         self.result_dtype = np.dtype({8: ">u1", 16: ">u2", 32: ">u4"}[cfg.result_bits])
 
 
@@ -156,6 +190,7 @@ class Aggregator:
         self._dwidth = np.zeros(1 << 16, np.int64)
         self._dbytes = np.zeros(1 << 16, np.int64)
         self.out = Outputs.allocate(max_batch, stride)
+        self._out_headers = header_view(self.out.buf)
         # Header fields of this batch's outputs, written in one vectorized pass at the end.
         self._pending: list[tuple[int, int, int, int, int, int, int]] = []
         # Results of this batch whose sums are still to be copied: (job, bank index) -> output rows.
@@ -259,29 +294,119 @@ class Aggregator:
         self.last_good, self.last_job, self.last_worker = good, job, worker
         if good.size == 0:
             return out
-        # Table lookups of all accepted-so-far DATA rows, one gather per job.
+        rnd = h["round"].astype(np.int64)
         values: dict[int, np.ndarray] = {}
-        data_rows = good[~is_norm[good]]
         row_pos = np.full(n, -1, np.int64)
-        if data_rows.size:
-            for j in np.unique(job[data_rows]).tolist():
-                rows = data_rows[job[data_rows] == j]
-                js = self.jobs[j]
-                cfg = js.cfg
-                pay = buf[rows, HEADER_BYTES:HEADER_BYTES + cfg.data_bytes]
-                if js.byte_lut is not None:
-                    vals = js.byte_lut[pay].view(np.int32).reshape(rows.size, cfg.elems)
-                elif cfg.kind == "thc":
-                    vals = js.values[unpack_indices_np(pay, cfg.bits, cfg.elems)]
-                else:
-                    vals = np.ascontiguousarray(pay).view(">i4").astype(np.int32)
-                values[j] = vals
-                row_pos[rows] = np.arange(rows.size)
-        self._apply(buf, good.tolist(), typ.tolist(), job.tolist(), worker.tolist(), slot.tolist(),
-                    h["round"].astype(np.int64).tolist(), norm_bits.tolist(), row_pos.tolist(), values)
-        self._flush_payloads()
-        self._finish_headers(buf)
+        slow: list[np.ndarray] = []
+        good_jobs = job[good]
+        for j in (good_jobs[:1] if (good_jobs == good_jobs[0]).all() else np.unique(good_jobs)).tolist():
+            js = self.jobs[j]
+            rows = good if len(self.jobs) == 1 else good[good_jobs == j]
+            rows = rows[np.argsort(slot[rows], kind="stable")]  # grouped by slot, arrival order within
+            data = rows[~is_norm[rows]]
+            if data.size:
+                values[j] = self._lookup(js, buf, data)
+                row_pos[data] = np.arange(data.size)
+            rest = self._fast_path(js, buf, rows, typ, worker, slot, rnd, norm_bits, row_pos, values.get(j))
+            if rest.size:
+                slow.append(rest)
+        if slow:
+            rows = np.sort(np.concatenate(slow)) if len(slow) > 1 else np.sort(slow[0])
+            self._apply(buf, rows.tolist(), typ.tolist(), job.tolist(), worker.tolist(), slot.tolist(),
+                        rnd.tolist(), norm_bits.tolist(), row_pos.tolist(), values)
+            self._flush_payloads()
+            self._finish_headers(buf)
         return out
+
+    @staticmethod
+    def _lookup(js: JobState, buf: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """The integer values of the DATA rows ``rows`` of one job, (rows, K) of ``js.value_dtype``: one gather."""
+        cfg = js.cfg
+        pay = buf[rows, HEADER_BYTES:HEADER_BYTES + cfg.data_bytes]
+        if js.byte_lut is not None:
+            return js.byte_lut[pay.astype(np.intp)].view(js.value_dtype).reshape(rows.size, cfg.elems)
+        if cfg.kind == "thc":
+            return js.values[unpack_indices_np(pay, cfg.bits, cfg.elems)]
+        return np.ascontiguousarray(pay).view(">i4").astype(np.int32)
+
+    def _fast_path(self, js: JobState, buf: np.ndarray, rows: np.ndarray, typ: np.ndarray, worker: np.ndarray,
+                   slot: np.ndarray, rnd: np.ndarray, norm_bits: np.ndarray, row_pos: np.ndarray,
+                   vals: np.ndarray | None) -> np.ndarray:
+        """Apply the state table at once to every slot of one job whose packets in this batch are the
+        common case; return the rows left for the packet-by-packet loop, in any order.
+
+        ``rows`` are the job's valid rows grouped by slot (arrival order within a slot). A slot's group
+        is taken here when its packets share one round and one kind, come from distinct workers, and
+        either start a newer round or join an open bank they are not yet in, without passing the
+        threshold before the group's last packet. Then the packet-by-packet result is the group's
+        total, applied at once: the bank is overwritten (newer round) or added to, the bitmap gets the
+        OR of the workers' bits, and a completion is answered for the group's last packet. Slots
+        are independent, so taking some out of arrival order changes nothing but the order of the
+        outputs. Everything else (duplicates, retained results, stragglers, mixed rounds) goes to the
+        loop, which follows the state table row by row.
+        """
+        m = rows.size
+        s, r, t = slot[rows], rnd[rows], typ[rows]
+        start = np.flatnonzero(np.concatenate(([True], s[1:] != s[:-1])))
+        size = np.diff(np.append(start, m))
+        gs, gr, gt = s[start], r[start], t[start]
+        bits = np.left_shift(1, worker[rows])
+        orb = np.bitwise_or.reduceat(bits, start)
+        ok = ((np.minimum.reduceat(r, start) == np.maximum.reduceat(r, start))
+              & (np.minimum.reduceat(t, start) == np.maximum.reduceat(t, start))
+              & (np.add.reduceat(bits, start) == orb))
+        idx = 2 * gs + (gr & 1)
+        d = (gr - js.cur_round[gs]) & ROUND_MASK
+        new = ~js.used[gs] | ((d > 0) & (d < HALF))
+        before = np.where(new, 0, js.count[idx])
+        ok &= (new | ((js.bank_round[idx] == gr) & (js.kind[idx] == gt) & ~js.complete[idx]
+                      & ((js.bitmap[idx] & orb) == 0)))
+        ok &= before + size <= js.cfg.threshold
+        if not ok.any():
+            return rows
+        rest = rows[~np.repeat(ok, size)]
+        last = rows[start + size - 1][ok]  # the packet that completes the group, if it completes
+        gs, gr, gt, idx, new, orb, size = gs[ok], gr[ok], gt[ok], idx[ok], new[ok], orb[ok], size[ok]
+        count = before[ok] + size
+        done = count >= js.cfg.threshold
+        bitmap = np.where(new, orb, js.bitmap[idx] | orb)
+        js.used[gs] = True
+        js.cur_round[gs] = np.where(new, gr, js.cur_round[gs])
+        js.bank_round[idx] = gr
+        js.kind[idx] = gt
+        js.bitmap[idx] = bitmap
+        js.count[idx] = count
+        js.complete[idx] = done
+        is_data = gt == PacketType.DATA
+        if is_data.any():
+            # Sums over each slot's DATA rows (``vals`` follows ``rows`` restricted to DATA rows, so a
+            # slot's DATA rows are contiguous in it), then the accepted groups' sums written over or
+            # added to their banks; int32 wraps exactly as the loop's adds do.
+            dslot = s[row_pos[rows] >= 0]
+            dstart = np.flatnonzero(np.concatenate(([True], dslot[1:] != dslot[:-1])))
+            gsum = _group_sums(vals, dstart)
+            first = row_pos[rows[start[ok][is_data]]]
+            if first.size != dstart.size:
+                gsum = gsum[np.searchsorted(dstart, first)]
+            sd, bd, nd = gs[is_data], gr[is_data] & 1, new[is_data]
+            if nd.all():
+                js.sums[sd, bd] = gsum
+            else:
+                js.sums[sd[nd], bd[nd]] = gsum[nd]
+                js.sums[sd[~nd], bd[~nd]] += gsum[~nd]  # (slot, bank) pairs are distinct: no lost adds
+        if not is_data.all():
+            gmax = np.maximum.reduceat(norm_bits[rows], start)[ok][~is_data]
+            inorm, nn = idx[~is_data], new[~is_data]
+            js.norm[inorm] = np.where(nn, gmax, np.maximum(js.norm[inorm], gmax))
+        c = self.counters
+        c[Counter.ACCEPTED] += int(size.sum())
+        c[Counter.NEW_ROUND] += int(new.sum())
+        c[Counter.ELEMENTS] += int(size[is_data].sum()) * js.cfg.elems
+        if done.any():
+            c[Counter.COMPLETED] += int(done.sum())
+            self._emit_completions(js, buf, last[done], gs[done], gr[done], idx[done], is_data[done],
+                                   count[done], bitmap[done])
+        return rest
 
     def _apply(self, buf: np.ndarray, rows: list[int], typ: list[int], job: list[int], worker: list[int],
                slot: list[int], rnd: list[int], norm_bits: list[int], row_pos: list[int],
@@ -355,6 +480,35 @@ class Aggregator:
         c[Counter.ELEMENTS] += elements
 
     # -- output construction ---------------------------------------------------------------------
+    def _emit_completions(self, js: JobState, buf: np.ndarray, src: np.ndarray, gs: np.ndarray, gr: np.ndarray,
+                          idx: np.ndarray, is_data: np.ndarray, count: np.ndarray, bitmap: np.ndarray) -> None:
+        """Write the results of slots completed by the fast path, headers and payloads, vectorized."""
+        out = self.out
+        m0 = out.count
+        ms = np.arange(m0, m0 + src.size)
+        out.count = m0 + src.size
+        out.src[ms] = src
+        out.fanout[ms] = True
+        out.job[ms] = js.cfg.job
+        out.buf[ms, :HEADER_BYTES] = buf[src, :HEADER_BYTES]
+        cfg = js.cfg
+        hv = self._out_headers
+        hv["type"][ms] = np.where(is_data, PacketType.RESULT, PacketType.NORM_RESULT)
+        hv["contributors"][ms] = count
+        hv["round"][ms] = gr
+        hv["elems"][ms] = np.where(is_data, cfg.elems, 1)
+        hv["width"][ms] = np.where(is_data, cfg.result_bits, 32)
+        hv["bitmap"][ms] = bitmap
+        hv["flags"][ms] = 0
+        out.length[ms] = HEADER_BYTES + np.where(is_data, cfg.result_bytes, 4)
+        if is_data.any():
+            md = ms[is_data] if not is_data.all() else ms
+            vals = js.sums[gs[is_data], gr[is_data] & 1].astype(js.result_dtype)
+            out.buf[md, HEADER_BYTES:HEADER_BYTES + cfg.result_bytes] = vals.view(np.uint8).reshape(md.size, -1)
+        if not is_data.all():
+            norms = js.norm[idx[~is_data]].astype(">u4")
+            out.buf[ms[~is_data], HEADER_BYTES:HEADER_BYTES + 4] = norms.view(np.uint8).reshape(-1, 4)
+
     def _emit(self, src: int, fanout: bool, job: int) -> int:
         out = self.out
         m = out.count
@@ -373,7 +527,7 @@ class Aggregator:
         out.job[m] = js.cfg.job
         idx = 2 * s + b
         if js.kind[idx] == PacketType.NORM:
-            out.buf[m, HEADER_BYTES:HEADER_BYTES + 4] = np.frombuffer(js.norm[idx].to_bytes(4, "big"), np.uint8)
+            out.buf[m, HEADER_BYTES:HEADER_BYTES + 4] = np.frombuffer(int(js.norm[idx]).to_bytes(4, "big"), np.uint8)
             plen, elems, width, typ = 4, 1, 32, PacketType.NORM_RESULT
         else:
             # The sums are copied after the loop, in one vectorized pass per job (a bank cannot change

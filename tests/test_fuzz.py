@@ -4,6 +4,8 @@ state table (dicts and loops, written from docs/protocol.md)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -35,7 +37,7 @@ def test_random_bytes_never_crash_and_are_counted(packets: list[bytes]) -> None:
     assert sum(int(c[d]) for d in DROP_COUNTERS) + sum(int(c[o]) for o in OUTCOMES) == len(packets)
 
 
-def _model_step(state: dict, pkt: dict) -> list[tuple[bool, dict]]:
+def _model_step(state: dict, pkt: dict, threshold: int) -> list[tuple[bool, dict]]:
     """The state table, naively: state[(slot, bank)] = dict(round, kind, members, vals, done)."""
     values = list(CFG.table)
     s, r, w, t = pkt["slot"], pkt["round"], pkt["worker"], pkt["type"]
@@ -61,7 +63,7 @@ def _model_step(state: dict, pkt: dict) -> list[tuple[bool, dict]]:
             bank["vals"] = [max(bank["vals"][0], contrib[0])]
     else:
         return [(False, {"straggler": state[("cur", s)]})]
-    if len(bank["members"]) >= CFG.threshold:
+    if len(bank["members"]) >= threshold:
         bank["done"] = True
         return [(True, bank)]
     return []
@@ -78,11 +80,38 @@ packet = st.fixed_dictionaries({
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(packet, min_size=1, max_size=40), st.integers(1, 16))
-def test_hostile_sequences_match_naive_model(pkts: list[dict], batch: int) -> None:
+@given(st.lists(packet, min_size=1, max_size=40), st.integers(1, 16), st.sampled_from([2, 3]))
+def test_hostile_sequences_match_naive_model(pkts: list[dict], batch: int, threshold: int) -> None:
     """Valid packets in any order (duplicates, old and new rounds, wraparound, mixed kinds), processed
-    in batches of any size, produce exactly the model's packets."""
-    agg = Aggregator([CFG], max_batch=16)
+    in batches of any size, under a partial and a full threshold, produce exactly the model's packets
+    (each caused by the same packet as in the model)."""
+    _check_against_model(pkts, batch, threshold)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1), st.integers(1, 16), st.sampled_from([2, 3]), st.floats(0, 0.3))
+def test_workerlike_traffic_matches_naive_model(seed: int, batch: int, threshold: int, mess: float) -> None:
+    """Traffic shaped like real workers' (every worker sends every slot of successive rounds, norms
+    first, near wraparound), locally reordered, with a fraction ``mess`` of packets dropped or
+    duplicated: the common case the aggregator takes in whole-slot groups, and its edges."""
+    rng = np.random.default_rng(seed)
+    pkts = []
+    for use in range(-4, 4):  # each use of a slot advances its round; a norm stage, then a data stage
+        kind = PacketType.NORM if use % 2 == 0 else PacketType.DATA
+        for w in rng.permutation(CFG.workers).tolist():
+            for s in range(CFG.slots):
+                p = {"type": kind, "worker": w, "slot": s, "round": use & 0xFFFF,
+                     "indices": rng.integers(0, 4, K).tolist(), "norm_bits": int(rng.integers(0, 0x7F7FFFFF))}
+                u = rng.random()
+                if u < mess / 2:
+                    continue
+                pkts.extend([p, p] if u < mess else [p])
+    order = np.argsort(np.arange(len(pkts)) + rng.uniform(0, 4, len(pkts)))  # local reordering
+    _check_against_model([pkts[i] for i in order], batch, threshold)
+
+
+def _check_against_model(pkts: list[dict], batch: int, threshold: int) -> None:
+    agg = Aggregator([dataclasses.replace(CFG, threshold=threshold)], max_batch=16)
     model: dict = {}
     wires = []
     for p in pkts:
@@ -99,10 +128,15 @@ def test_hostile_sequences_match_naive_model(pkts: list[dict], batch: int) -> No
         buf = np.zeros((len(chunk), agg.stride), np.uint8)
         for i, wbytes in enumerate(chunk):
             buf[i, : len(wbytes)] = np.frombuffer(wbytes, np.uint8)
-        out = agg.process(buf, np.array([len(x) for x in chunk])).packets()
-        expect = [e for p in pkts[start:start + batch] for e in _model_step(model, p)]
-        assert len(out) == len(expect)
-        for (fan, data), (efan, ebank) in zip(out, expect, strict=True):
+        res = agg.process(buf, np.array([len(x) for x in chunk]))
+        # Each packet causes at most one output; slots are independent, so outputs are matched to the
+        # packet that caused them rather than by position.
+        got = {int(res.src[m]): pkt for m, pkt in enumerate(res.packets())}
+        assert len(got) == res.count
+        expect = {i: e for i, p in enumerate(pkts[start:start + batch]) for e in _model_step(model, p, threshold)}
+        assert sorted(got) == sorted(expect)
+        for i, (fan, data) in got.items():
+            efan, ebank = expect[i]
             hdr, payload = parse_packet(data)
             assert fan == efan
             if "straggler" in ebank:
