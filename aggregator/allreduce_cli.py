@@ -46,6 +46,7 @@ class RunSpec:
     outdir: str
     multicast: str | None = None
     retries: int = 3
+    pcap: Path | None = None  #: per-worker captures (FILE.worker<w>.pcap) when the aggregator is not ours
 
 
 def job_params(cfg: JobConfig):  # -> JobParams (imported lazily: workers import torch)
@@ -78,7 +79,8 @@ def _worker(spec: RunSpec, worker: int, barrier: mp.synchronize.Barrier) -> None
     tcfg = TransportConfig(job_params(cfg), worker=worker, aggregator=(spec.host, spec.port), shards=spec.shards,
                            loss_policy=spec.loss_policy, timeout=spec.timeout, deadline=spec.deadline,
                            drop_up=spec.drop_up, drop_down=spec.drop_down, seed=spec.seed,
-                           multicast=spec.multicast, retries=spec.retries)
+                           multicast=spec.multicast, retries=spec.retries,
+                           pcap=worker_pcap(spec.pcap, worker) if spec.pcap is not None else None)
     out = Path(spec.outdir)
     try:
         with Transport(tcfg) as tr:
@@ -98,6 +100,11 @@ def _worker(spec: RunSpec, worker: int, barrier: mp.synchronize.Barrier) -> None
     except Exception as exc:  # reported by the parent
         (out / f"worker{worker}.err").write_text(f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from exc
+
+
+def worker_pcap(path: Path, worker: int) -> Path:
+    """Where worker ``worker`` writes its capture: ``agg.pcap`` -> ``agg.worker2.pcap``."""
+    return path.with_name(f"{path.stem}.worker{worker}{path.suffix or '.pcap'}")
 
 
 def reference_sums(cfg: JobConfig, indices: list[np.ndarray], bitmaps: np.ndarray) -> np.ndarray:
@@ -174,7 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--multicast", metavar="GROUP:PORT",
                    help="results once to this IP multicast group (the started aggregator runs --multicast)")
-    p.add_argument("--pcap", type=Path, help="the started aggregator writes its traffic to this pcap file")
+    p.add_argument("--pcap", type=Path, metavar="FILE",
+                   help="write the traffic to pcap: the started aggregator's to FILE; with --aggregator, each "
+                        "worker's own (what it sent and accepted) to FILE.worker<w>.pcap")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     return p
 
@@ -194,7 +203,8 @@ def run(args: argparse.Namespace) -> dict:
             host, port = stack.enter_context(local_aggregator([job], shards=args.shards, multicast=bool(job.multicast),
                                                               pcap=args.pcap))
         spec = RunSpec(job, host, port, args.shards, args.dim, args.steps, args.seed, args.loss_policy,
-                       args.drop_up, args.drop_down, args.timeout, args.deadline, tmp, args.multicast, args.retries)
+                       args.drop_up, args.drop_down, args.timeout, args.deadline, tmp, args.multicast, args.retries,
+                       args.pcap if args.aggregator else None)
         ctx = mp.get_context("fork")
         barrier = ctx.Barrier(args.workers)
         procs = [ctx.Process(target=_worker, args=(spec, w, barrier), name=f"thc-worker{w}")

@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from worker_lib.wire import PacketType, parse_packet
+from worker_lib.wire.pcap import read_pcap
 
 
 def allreduce(*args: str, timeout: float = 120) -> dict:
@@ -44,15 +48,33 @@ def test_zero_fill_completes_and_reports() -> None:
     assert s["nmse"] < 1.0
 
 
-def test_against_a_running_aggregator_default_job() -> None:
-    """--aggregator HOST:PORT uses the aggregator's default job (job 1, default key, 4 workers)."""
+def test_against_a_running_aggregator_default_job(tmp_path: Path) -> None:
+    """--aggregator HOST:PORT uses the aggregator's default job (job 1, default key, 4 workers); with
+    --pcap each worker captures its own traffic: its data and norm packets to the aggregator and the
+    results it accepted, as many as its counters say, all parseable."""
     proc = subprocess.Popen([sys.executable, "-m", "aggregator.cli", "--port", "0"], stdout=subprocess.PIPE,
                             text=True)
     try:
         line = proc.stdout.readline()
         port = int(line.split()[3].rsplit(":", 1)[1])
-        s = allreduce("--aggregator", f"127.0.0.1:{port}", "--dim", "20000", "--steps", "2")
+        s = allreduce("--aggregator", f"127.0.0.1:{port}", "--dim", "20000", "--steps", "2",
+                      "--pcap", str(tmp_path / "run.pcap"))
         assert s["exact"] is True and s["aggregator"] == f"127.0.0.1:{port}" and s["steps"] == 2
+        assert not (tmp_path / "run.pcap").exists()
+        sent = received = 0
+        for w in range(4):
+            caps = read_pcap(tmp_path / f"run.worker{w}.pcap")
+            up = [c for c in caps if c.dst == ("127.0.0.1", port)]
+            down = [c for c in caps if c.src == ("127.0.0.1", port)]
+            assert len(up) + len(down) == len(caps) and up and down
+            assert {parse_packet(c.payload)[0]["worker"] for c in up} == {w}
+            assert {parse_packet(c.payload)[0]["type"] for c in up} == {PacketType.DATA, PacketType.NORM}
+            assert {parse_packet(c.payload)[0]["type"] for c in down} <= {PacketType.RESULT, PacketType.NORM_RESULT,
+                                                                          PacketType.STRAGGLER}
+            sent += len(up)
+            received += len(down)
+        # Every datagram a worker sent or accepted is in its capture (late duplicates count as unexpected).
+        assert sent == s["packets_sent"] and received == s["results"] + s["stragglers"] + s["unexpected"]
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -35,11 +35,13 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, NamedTuple
 
 import numpy as np
 
 from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, ROUND_BITS, VERSION, PacketType
+from worker_lib.wire.pcap import PcapWriter
 from worker_lib.wire.serializer import build_batch, float_bits, pack_indices_np
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,8 @@ class TransportConfig:
     bind_host: str = "127.0.0.1"
     multicast: str | None = None  #: GROUP:PORT to receive results from (thc-aggregator --multicast)
     on_straggler: Callable[[int, int, int], None] | None = None  #: called with (slot, our round, slot's round)
+    #: write what this worker's sockets send and accept (after simulated loss) to this pcap file
+    pcap: str | Path | None = None
 
     def __post_init__(self) -> None:
         p = self.params
@@ -166,6 +170,7 @@ class Transport:
         self._rng = np.random.default_rng([cfg.seed, cfg.worker])
         self._rbuf = bytearray(65536)
         self._dests = [(cfg.aggregator[0], cfg.aggregator[1] + i) for i in range(cfg.shards)]
+        self.pcap = PcapWriter(cfg.pcap) if cfg.pcap is not None else None
 
     @property
     def address(self) -> tuple[str, int]:
@@ -174,6 +179,8 @@ class Transport:
     def close(self) -> None:
         for s in self.socks:
             s.close()
+        if self.pcap is not None:
+            self.pcap.close()
 
     def __enter__(self) -> Transport:
         return self
@@ -291,11 +298,10 @@ class Transport:
             for sock in ready:
                 while True:
                     try:
-                        n = sock.recv_into(self._rbuf)
+                        n = self._receive(sock)
                     except BlockingIOError:
                         break
-                    if cfg.drop_down and self._rng.random() < cfg.drop_down:
-                        self.stats.dropped_down += 1
+                    if n < 0:
                         continue
                     if n < HEADER_BYTES:
                         self.stats.unexpected += 1
@@ -412,11 +418,10 @@ class Transport:
             for s in ready:
                 while True:
                     try:
-                        nbytes = s.recv_into(self._rbuf)
+                        nbytes = self._receive(s)
                     except BlockingIOError:
                         break
-                    if cfg.drop_down and self._rng.random() < cfg.drop_down:
-                        self.stats.dropped_down += 1
+                    if nbytes < 0:
                         continue
                     if nbytes < HEADER_BYTES:
                         self.stats.unexpected += 1
@@ -470,16 +475,32 @@ class Transport:
         self.stats.lost_chunks += 1
         self.stats.lost.append((tensor, i))
 
+    def _receive(self, sock: socket.socket) -> int:
+        """One datagram into ``self._rbuf``: its length, or -1 when the simulated loss took it.
+
+        Raises BlockingIOError when nothing is waiting. Accepted datagrams go to the pcap, if any.
+        """
+        nbytes, src = sock.recvfrom_into(self._rbuf)
+        if self.cfg.drop_down and self._rng.random() < self.cfg.drop_down:
+            self.stats.dropped_down += 1
+            return -1
+        if self.pcap is not None:
+            self.pcap.write(src, sock.getsockname(), bytes(self._rbuf[:nbytes]))
+        return nbytes
+
     def _send(self, data: bytes, slot: int) -> None:
         cfg = self.cfg
         self.stats.packets_sent += 1
         if cfg.drop_up and self._rng.random() < cfg.drop_up:
             self.stats.dropped_up += 1
             return
+        dest = self._dests[slot % cfg.shards]
         try:
-            self.sock.sendto(data, self._dests[slot % cfg.shards])
+            self.sock.sendto(data, dest)
         except (BlockingIOError, ConnectionRefusedError):
-            pass  # a full buffer or an ICMP error: the timeout retransmits
+            return  # a full buffer or an ICMP error: the timeout retransmits
+        if self.pcap is not None:
+            self.pcap.write(self.sock.getsockname(), dest, data)
 
 
 def _multicast_socket(spec: str, iface: str) -> socket.socket:
