@@ -178,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--p", type=float, default=1 / 32)
     p.add_argument("--slots", type=int, default=128)
     p.add_argument("--elems", type=int, help="indices per packet K (default: largest fitting the MTU, <= 1024)")
+    p.add_argument("--mtu", type=int, default=1500, help="path MTU the job's packets must fit (9000: jumbo frames)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--multicast", metavar="GROUP:PORT",
                    help="results once to this IP multicast group (the started aggregator runs --multicast)")
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace) -> dict:
     """Run the allreduce; returns the summary dict."""
     job = JobConfig(job=args.job, key=args.key, workers=args.workers, threshold=args.threshold, bits=args.bits,
                     granularity=args.granularity, p=args.p, slots=args.slots, elems=args.elems,
-                    multicast=args.multicast)
+                    multicast=args.multicast, mtu=args.mtu)
     if args.dim < 1:
         raise ValueError("--dim must be positive")
     with tempfile.TemporaryDirectory(prefix="thc-allreduce-") as tmp, contextlib.ExitStack() as stack:

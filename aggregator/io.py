@@ -73,7 +73,7 @@ def sockaddr_to_tuple(raw: bytes | np.ndarray) -> tuple[str, int]:
 class BatchSocket:
     """A UDP socket with batched receive and send over preallocated buffers."""
 
-    def __init__(self, sock: socket.socket, *, batch: int = 256, stride: int = 4224,
+    def __init__(self, sock: socket.socket, *, batch: int = 256, stride: int = 9216,
                  max_send: int | None = None) -> None:
         _check_abi()
         if sock.family != socket.AF_INET or sock.type != socket.SOCK_DGRAM:

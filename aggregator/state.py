@@ -19,6 +19,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -30,8 +31,9 @@ log = logging.getLogger(__name__)
 
 ROUND_MASK = (1 << ROUND_BITS) - 1
 HALF = 1 << (ROUND_BITS - 1)
-#: Largest packet (bytes of UDP payload) a batch row holds by default.
-DEFAULT_STRIDE = 4224
+#: Largest packet (bytes of UDP payload) a batch row holds by default: any datagram of a 9000-byte
+#: (jumbo) MTU, so that jobs with K up to 8192 8-bit results can be served.
+DEFAULT_STRIDE = 9216
 
 
 class Counter(IntEnum):
@@ -60,6 +62,9 @@ class Counter(IntEnum):
 
 
 DROP_COUNTERS = tuple(c for c in Counter if c >= Counter.SHORT)
+# Plain-int views of the enums for the hot path (an IntEnum member lookup costs a metaclass call).
+_CI = SimpleNamespace(**{c.name: int(c) for c in Counter})
+_PT = SimpleNamespace(**{t.name: int(t) for t in PacketType})
 
 _EMPTY = -1  # bank_round of a bank that holds nothing
 
@@ -170,14 +175,17 @@ class Aggregator:
     """The state machine for a set of jobs; one instance per shard.
 
     ``shard``/``shards``: this instance owns the slots s with s mod shards == shard (others are
-    dropped and counted). ``max_batch`` bounds the rows of one ``process`` call.
+    dropped and counted). ``max_batch`` bounds the rows of one ``process`` call. A job's packets of a
+    batch are applied slot group by slot group when there are at least ``group_min`` of them; fewer
+    walk the state table one by one, which costs less than the grouping's fixed overhead.
     """
 
     def __init__(self, jobs: Iterable[JobConfig] = (), *, shard: int = 0, shards: int = 1,
-                 max_batch: int = 256, stride: int = DEFAULT_STRIDE) -> None:
+                 max_batch: int = 256, stride: int = DEFAULT_STRIDE, group_min: int = 16) -> None:
         if not 0 <= shard < shards:
             raise ValueError(f"shard {shard} is not in 0..{shards - 1}")
         self.shard, self.shards, self.max_batch, self.stride = shard, shards, max_batch, stride
+        self.group_min = group_min
         self.counters = np.zeros(len(Counter), np.int64)
         self.jobs: dict[int, JobState] = {}
         # Per-job-id parameter arrays for vectorized validation (fixed size: job ids are 16 bits).
@@ -253,7 +261,7 @@ class Aggregator:
         if n == 0:
             return out
         c = self.counters
-        c[Counter.RX] += n
+        c[_CI.RX] += n
         lens = np.asarray(lengths, np.int64)
         h = header_view(buf[:n])
         ver = h["version"].astype(np.int64)
@@ -263,34 +271,37 @@ class Aggregator:
         slot = h["slot"].astype(np.int64)
         elems = h["elems"].astype(np.int64)
         width = h["width"].astype(np.int64)
-        reason = np.zeros(n, np.int64)
-
-        def fail(cond: np.ndarray, code: Counter) -> None:
-            reason[(reason == 0) & cond] = code
-
-        fail(lens < HEADER_BYTES, Counter.SHORT)
-        fail(ver != VERSION, Counter.BAD_VERSION)
-        is_norm = typ == PacketType.NORM
-        fail((typ != PacketType.DATA) & ~is_norm, Counter.BAD_TYPE)
-        fail(~self._known[job], Counter.UNKNOWN_JOB)
-        fail(h["key"].astype(np.int64) != self._key[job], Counter.BAD_KEY)
-        fail(h["table_id"].astype(np.int64) != self._table[job], Counter.BAD_TABLE)
-        fail(worker >= self._n[job], Counter.BAD_WORKER)
-        fail(slot >= self._slots[job], Counter.BAD_SLOT)
-        fail(slot % self.shards != self.shard, Counter.WRONG_SHARD)
-        want_elems = np.where(is_norm, 1, self._elems[job])
-        want_width = np.where(is_norm, 32, self._dwidth[job])
-        want_len = HEADER_BYTES + np.where(is_norm, 4, self._dbytes[job])
-        fail((elems != want_elems) | (width != want_width) | (lens != want_len), Counter.BAD_FORMAT)
+        is_norm = typ == _PT.NORM
+        key_ok = h["key"].astype(np.int64) == self._key[job]
+        table_ok = h["table_id"].astype(np.int64) == self._table[job]
+        format_ok = ((elems == np.where(is_norm, 1, self._elems[job]))
+                     & (width == np.where(is_norm, 32, self._dwidth[job]))
+                     & (lens == HEADER_BYTES + np.where(is_norm, 4, self._dbytes[job])))
         norm_bits = np.zeros(n, np.int64)
+        norm_ok = True
         if is_norm.any():
             nb = buf[:n, HEADER_BYTES:HEADER_BYTES + 4].astype(np.int64)
             norm_bits = (nb[:, 0] << 24) | (nb[:, 1] << 16) | (nb[:, 2] << 8) | nb[:, 3]
-            bad = (norm_bits >> 31 == 1) | (((norm_bits >> 23) & 0xFF) == 0xFF)
-            fail(is_norm & bad, Counter.BAD_NORM)
-        if (reason != 0).any():
+            norm_ok = ~is_norm | ((norm_bits >> 31 == 0) & (((norm_bits >> 23) & 0xFF) != 0xFF))
+        ok = ((lens >= HEADER_BYTES) & (ver == VERSION) & (is_norm | (typ == _PT.DATA)) & self._known[job]
+              & key_ok & table_ok & (worker < self._n[job]) & (slot < self._slots[job]) & format_ok & norm_ok)
+        if self.shards > 1:
+            ok &= slot % self.shards == self.shard
+        if ok.all():
+            good = np.arange(n)
+        else:
+            # Count each dropped packet under the first check it fails, in the order of docs/protocol.md.
+            reason = np.zeros(n, np.int64)
+            for cond, code in ((lens < HEADER_BYTES, _CI.SHORT), (ver != VERSION, _CI.BAD_VERSION),
+                               ((typ != _PT.DATA) & ~is_norm, _CI.BAD_TYPE),
+                               (~self._known[job], _CI.UNKNOWN_JOB), (~key_ok, _CI.BAD_KEY),
+                               (~table_ok, _CI.BAD_TABLE), (worker >= self._n[job], _CI.BAD_WORKER),
+                               (slot >= self._slots[job], _CI.BAD_SLOT),
+                               (slot % self.shards != self.shard, _CI.WRONG_SHARD),
+                               (~format_ok, _CI.BAD_FORMAT), (~np.asarray(norm_ok) & is_norm, _CI.BAD_NORM)):
+                reason[(reason == 0) & cond] = code
             np.add.at(c, reason[reason != 0], 1)
-        good = np.flatnonzero(reason == 0)
+            good = np.flatnonzero(reason == 0)
         self.last_good, self.last_job, self.last_worker = good, job, worker
         if good.size == 0:
             return out
@@ -307,7 +318,8 @@ class Aggregator:
             if data.size:
                 values[j] = self._lookup(js, buf, data)
                 row_pos[data] = np.arange(data.size)
-            rest = self._fast_path(js, buf, rows, typ, worker, slot, rnd, norm_bits, row_pos, values.get(j))
+            rest = self._fast_path(js, buf, rows, typ, worker, slot, rnd, norm_bits, row_pos, values.get(j)) \
+                if rows.size >= self.group_min else rows
             if rest.size:
                 slow.append(rest)
         if slow:
@@ -377,7 +389,7 @@ class Aggregator:
         js.bitmap[idx] = bitmap
         js.count[idx] = count
         js.complete[idx] = done
-        is_data = gt == PacketType.DATA
+        is_data = gt == _PT.DATA
         if is_data.any():
             # Sums over each slot's DATA rows (``vals`` follows ``rows`` restricted to DATA rows, so a
             # slot's DATA rows are contiguous in it), then the accepted groups' sums written over or
@@ -399,11 +411,11 @@ class Aggregator:
             inorm, nn = idx[~is_data], new[~is_data]
             js.norm[inorm] = np.where(nn, gmax, np.maximum(js.norm[inorm], gmax))
         c = self.counters
-        c[Counter.ACCEPTED] += int(size.sum())
-        c[Counter.NEW_ROUND] += int(new.sum())
-        c[Counter.ELEMENTS] += int(size[is_data].sum()) * js.cfg.elems
+        c[_CI.ACCEPTED] += int(size.sum())
+        c[_CI.NEW_ROUND] += int(new.sum())
+        c[_CI.ELEMENTS] += int(size[is_data].sum()) * js.cfg.elems
         if done.any():
-            c[Counter.COMPLETED] += int(done.sum())
+            c[_CI.COMPLETED] += int(done.sum())
             self._emit_completions(js, buf, last[done], gs[done], gr[done], idx[done], is_data[done],
                                    count[done], bitmap[done])
         return rest
@@ -414,7 +426,7 @@ class Aggregator:
         """The state table, packet by packet, in arrival order (the hot loop: locals only)."""
         accepted = new_round = completed = retained = duplicate = straggler = mismatch = elements = 0
         jobs = self.jobs
-        norm_t = int(PacketType.NORM)
+        norm_t = _PT.NORM
         emit_result = self._emit_result
         for i in rows:
             js = jobs[job[i]]
@@ -470,14 +482,14 @@ class Aggregator:
                 completed += 1
                 emit_result(js, s, b, i, fanout=True)
         c = self.counters
-        c[Counter.ACCEPTED] += accepted
-        c[Counter.NEW_ROUND] += new_round
-        c[Counter.COMPLETED] += completed
-        c[Counter.RETAINED] += retained
-        c[Counter.DUPLICATE] += duplicate
-        c[Counter.STRAGGLER] += straggler
-        c[Counter.KIND_MISMATCH] += mismatch
-        c[Counter.ELEMENTS] += elements
+        c[_CI.ACCEPTED] += accepted
+        c[_CI.NEW_ROUND] += new_round
+        c[_CI.COMPLETED] += completed
+        c[_CI.RETAINED] += retained
+        c[_CI.DUPLICATE] += duplicate
+        c[_CI.STRAGGLER] += straggler
+        c[_CI.KIND_MISMATCH] += mismatch
+        c[_CI.ELEMENTS] += elements
 
     # -- output construction ---------------------------------------------------------------------
     def _emit_completions(self, js: JobState, buf: np.ndarray, src: np.ndarray, gs: np.ndarray, gr: np.ndarray,
@@ -493,7 +505,7 @@ class Aggregator:
         out.buf[ms, :HEADER_BYTES] = buf[src, :HEADER_BYTES]
         cfg = js.cfg
         hv = self._out_headers
-        hv["type"][ms] = np.where(is_data, PacketType.RESULT, PacketType.NORM_RESULT)
+        hv["type"][ms] = np.where(is_data, _PT.RESULT, _PT.NORM_RESULT)
         hv["contributors"][ms] = count
         hv["round"][ms] = gr
         hv["elems"][ms] = np.where(is_data, cfg.elems, 1)
@@ -526,9 +538,9 @@ class Aggregator:
         out.fanout[m] = fanout
         out.job[m] = js.cfg.job
         idx = 2 * s + b
-        if js.kind[idx] == PacketType.NORM:
+        if js.kind[idx] == _PT.NORM:
             out.buf[m, HEADER_BYTES:HEADER_BYTES + 4] = np.frombuffer(int(js.norm[idx]).to_bytes(4, "big"), np.uint8)
-            plen, elems, width, typ = 4, 1, 32, PacketType.NORM_RESULT
+            plen, elems, width, typ = 4, 1, 32, _PT.NORM_RESULT
         else:
             # The sums are copied after the loop, in one vectorized pass per job (a bank cannot change
             # after completion except by a newer round's overwrite, which flushes first).
@@ -539,7 +551,7 @@ class Aggregator:
                 self._payloads[key] = [m]
             else:
                 lst.append(m)
-            elems, width, typ = js.cfg.elems, js.cfg.result_bits, PacketType.RESULT
+            elems, width, typ = js.cfg.elems, js.cfg.result_bits, _PT.RESULT
         out.length[m] = HEADER_BYTES + plen
         self._pending.append((m, typ, js.count[idx], js.bank_round[idx], elems, width, js.bitmap[idx]))
 
@@ -572,7 +584,7 @@ class Aggregator:
     def _emit_straggler(self, js: JobState, s: int, src: int) -> None:
         m = self._emit(src, False, js.cfg.job)
         self.out.length[m] = HEADER_BYTES
-        self._pending.append((m, PacketType.STRAGGLER, 0, js.cur_round[s], 0, 0, 0))
+        self._pending.append((m, _PT.STRAGGLER, 0, js.cur_round[s], 0, 0, 0))
 
     def _finish_headers(self, buf: np.ndarray) -> None:
         """Write the headers of this batch's outputs: the request's header with result fields patched."""

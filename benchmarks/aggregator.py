@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aggregator.io import BatchSocket, sockaddr_in, udp_socket
 from aggregator.jobs import JobConfig
+from aggregator.state import DEFAULT_STRIDE
 from worker_lib.wire import build_batch, pack_indices_np
 
 WORKERS = 4
@@ -45,7 +46,7 @@ WORKERS = 4
 
 def reflector(port_q: mp.Queue, stop: mp.Event) -> None:
     """Raw reflector: every datagram goes straight back to its sender (batched, same I/O layer)."""
-    bs = BatchSocket(udp_socket("127.0.0.1", 0), batch=256, stride=4224)
+    bs = BatchSocket(udp_socket("127.0.0.1", 0), batch=256, stride=DEFAULT_STRIDE)
     port_q.put(bs.sock.getsockname()[1])
     rows = np.arange(256)
     while not stop.is_set():
@@ -65,7 +66,7 @@ def generator(port: int, shards: int, cfg: JobConfig, seconds: float, window: in
                              "worker": 0, "elems": cfg.elems, "width": cfg.bits}, payload)
     length = templates.shape[1]
     batch = 256
-    bs = BatchSocket(udp_socket("127.0.0.1", 0), batch=batch, stride=4224, max_send=batch)
+    bs = BatchSocket(udp_socket("127.0.0.1", 0), batch=batch, stride=DEFAULT_STRIDE, max_send=batch)
     ring = np.zeros((batch, length), np.uint8)
     dests = np.stack([np.frombuffer(sockaddr_in("127.0.0.1", port + i), np.uint8) for i in range(shards)])
     lengths = np.full(batch, length)

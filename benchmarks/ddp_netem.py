@@ -50,7 +50,8 @@ class Run:
 def model_args(args: argparse.Namespace) -> list[str]:
     return ["--width", str(args.width), "--layers", str(args.layers), "--in-features", str(args.in_features),
             "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--lr", "0.01", "--deadline", "60"]
+            "--lr", "0.01", "--deadline", "60", "--mtu", str(args.mtu), "--timeout", str(args.timeout),
+            *(["--elems", str(args.elems)] if args.elems else [])]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -101,7 +102,7 @@ def run_all(args: argparse.Namespace) -> list[dict]:
         for rate in args.rates:
             loss = {f"w{i}": args.loss for i in range(args.workers)} if args.loss else {}
             cfg = NetemConfig(workers=args.workers, rate_mbit=rate, qdisc=args.qdisc, loss_percent=loss,
-                              loss_udp_only=args.loss_udp_only, prefix="thcbench")
+                              loss_udp_only=args.loss_udp_only, prefix="thcbench", mtu=args.mtu)
             with Topology(cfg) as net:
                 modes = [m for m in args.modes if m != "gloo"]
                 jobs = {m: 10 + i for i, m in enumerate(modes)}
@@ -109,7 +110,8 @@ def run_all(args: argparse.Namespace) -> list[dict]:
                 if jobs:
                     agg = start_aggregator(net, [
                         JobConfig(job=j, workers=args.workers, kind="thc" if m.startswith("thc") else "uncompressed",
-                                  multicast=GROUP if m.endswith("mcast") else None) for m, j in jobs.items()],
+                                  multicast=GROUP if m.endswith("mcast") else None, mtu=args.mtu,
+                                  elems=args.elems) for m, j in jobs.items()],
                         multicast=any(m.endswith("mcast") for m in modes))
                 for mode in args.modes:
                     row = measure(net, Run(rate, mode), jobs.get(mode, 9), args, agg.pid if agg else None, tmp)
@@ -175,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-features", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--qdisc", choices=("tbf", "htb"), default="tbf")
+    p.add_argument("--mtu", type=int, default=1500, help="MTU of every link (9000: jumbo frames, for every mode)")
+    p.add_argument("--elems", type=int, help="elements per aggregator packet K (default: the job's for the MTU)")
+    p.add_argument("--timeout", type=float, default=0.05, help="the workers' retransmission timeout, seconds")
     p.add_argument("--loss", type=float, default=0.0,
                    help="random loss in %% per direction on every worker's link (netem, or nftables: whole %%)")
     p.add_argument("--loss-udp-only", action="store_true", help="drop only UDP (gloo's TCP and the rendezvous "

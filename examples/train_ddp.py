@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--p", type=float, default=1 / 32, help="THC table parameter p")
     p.add_argument("--slots", type=int, default=128, help="aggregator slots S of the job")
     p.add_argument("--elems", type=int, help="indices per packet K (default: the aggregator's, MTU-bound)")
+    p.add_argument("--mtu", type=int, default=1500, help="path MTU the job's packets must fit (9000: jumbo frames)")
     p.add_argument("--shards", type=int, default=1, help="aggregator shards (ports PORT..PORT+P-1)")
     p.add_argument("--multicast", metavar="GROUP:PORT", help="results by IP multicast to this group")
     p.add_argument("--loss-policy", choices=("reliable", "zero-fill"), default="reliable")
@@ -140,7 +141,7 @@ def route_address(target: str) -> str:
 def job_config(args: argparse.Namespace, world: int) -> JobConfig:
     return JobConfig(job=args.job_id, key=args.key, workers=world, kind=args.compression, bits=args.bits,
                      granularity=args.granularity, p=args.p, slots=args.slots, elems=args.elems,
-                     multicast=args.multicast)
+                     multicast=args.multicast, mtu=args.mtu)
 
 
 def hook_config(args: argparse.Namespace, job: JobConfig, host: str, port: int) -> DDPHookConfig:

@@ -43,7 +43,6 @@ the baseline THC is measured against.
 import concurrent.futures
 import logging
 import math
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -184,11 +183,6 @@ class THCHookState:
             self.rank = dist.get_rank(self.process_group) if self.rank is None else self.rank
             self.world_size = dist.get_world_size(self.process_group) if self.world_size is None else self.world_size
         self.transport = Transport(self.config.transport_config(self.rank, self.world_size))
-        for sock in self.transport.socks[1:]:
-            # The multicast socket gets the kernel's default receive buffer (about 200 kB), which a burst of
-            # results overflows (thousands of retransmissions measured at 1 Gbit/s); give it the unicast
-            # socket's size. (Transport could do this itself; until then the hook does.)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
         if self.config.overlap:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"thc-hook{self.rank}")
         log.info("rank %d: THC hook (%s) to aggregator %s:%d job %d from %s", self.rank, self.config.kind,
@@ -317,7 +311,7 @@ class THCHookState:
             rht = self._inverse_rht(index, x.numel(), SignKey.derive(cfg.job, index, step), flat.device)
             own = worker.codec.own_values(enc)
             torch.sub(x, rht.inverse(own, out=own), out=err)
-        idx = enc.indices.cpu().numpy().astype(np.uint8)
+        idx = np.asarray(enc.indices.cpu().numpy(), np.uint8)
         t3 = time.perf_counter()
         res = tr.exchange_indices(idx, tensor=index)
         t4 = time.perf_counter()

@@ -126,6 +126,7 @@ class TransportStats:
     dropped_down: int = 0
     unexpected: int = 0
     multicast_results: int = 0  #: results that came through the job's multicast group
+    send_blocked: int = 0  #: packets not sent because the send buffer stayed full for a timeout
     lost: list[tuple[int, int]] = field(default_factory=list)  #: (tensor, chunk) given up
 
     def as_dict(self) -> dict[str, int]:
@@ -136,7 +137,7 @@ class TransportStats:
 class UseResults:
     """Answers to a run of uses: sums (or norm bits), contributor counts, bitmaps, and what was lost."""
 
-    sums: np.ndarray  #: (C, K) int64 (DATA) or (C,) int64 norm bits (NORM)
+    sums: np.ndarray  #: (C, K) int32 (int64 for 32-bit THC results) (DATA), or (C,) int64 norm bits (NORM)
     contributors: np.ndarray  #: (C,) int64, 0 where lost
     bitmap: np.ndarray  #: (C,) int64
     lost: np.ndarray  #: (C,) bool
@@ -159,6 +160,9 @@ class Transport:
         p = cfg.params
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        # A window of packets queued behind a shaped link must not overflow the send buffer (the
+        # kernel's default is about 200 kB; a full one would cost a retransmission timeout).
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
         self.sock.bind((cfg.bind_host, 0))
         self.sock.setblocking(False)
         self.socks = [self.sock]
@@ -371,7 +375,11 @@ class Transport:
         pkts = build_batch(hdr, payloads)
         rows = [pkts[i].tobytes() for i in range(count)]
         k = 1 if is_norm else p.elems
-        sums = np.zeros(count if is_norm else (count, k), np.int64)
+        signed = p.kind == "uncompressed"
+        # int32 holds every 8/16-bit sum and the uncompressed job's int32 sums; only THC's 32-bit results
+        # (and norm bits) need int64. Narrow sums are what the decoder reads fastest.
+        wide = is_norm or (not signed and p.result_bits == 32)
+        sums = np.zeros(count if is_norm else (count, k), np.int64 if wide else np.int32)
         contrib = np.zeros(count, np.int64)
         bitmap = np.zeros(count, np.int64)
         lost = np.zeros(count, bool)
@@ -383,7 +391,6 @@ class Transport:
         base = nxt = 0
         last_answer = time.monotonic()
         want_type = PacketType.NORM_RESULT if is_norm else PacketType.RESULT
-        signed = p.kind == "uncompressed"
         rdt = np.dtype({8: ">u1", 16: ">u2", 32: ">u4"}[32 if is_norm else p.result_bits])
         while base < count:
             now = time.monotonic()
@@ -497,8 +504,17 @@ class Transport:
         dest = self._dests[slot % cfg.shards]
         try:
             self.sock.sendto(data, dest)
-        except (BlockingIOError, ConnectionRefusedError):
-            return  # a full buffer or an ICMP error: the timeout retransmits
+        except BlockingIOError:
+            # The send buffer is full (packets wait behind a slower link): wait until it drains rather
+            # than lose the packet and a retransmission timeout.
+            select.select([], [self.sock], [], cfg.timeout)
+            try:
+                self.sock.sendto(data, dest)
+            except (BlockingIOError, ConnectionRefusedError):
+                self.stats.send_blocked += 1
+                return  # still full, or an ICMP error: the timeout retransmits
+        except ConnectionRefusedError:
+            return  # an ICMP error from an earlier packet: the timeout retransmits
         if self.pcap is not None:
             self.pcap.write(self.sock.getsockname(), dest, data)
 
@@ -507,6 +523,7 @@ def _multicast_socket(spec: str, iface: str) -> socket.socket:
     host, _, port = spec.rpartition(":")
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)  # the default ~200 kB overflows in a burst
     s.bind((host, int(port)))
     mreq = socket.inet_aton(host) + socket.inet_aton(iface)
     s.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
