@@ -31,9 +31,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from aggregator.jobs import JobConfig
+from aggregator.jobs import IP_UDP_OVERHEAD, JobConfig
 from topologies.netem import NetemConfig, NetemError, Topology, require_root
 from topologies.netem.ddp import run_training, start_aggregator
+from worker_lib.wire.layout import HEADER_BYTES
 
 MODES = ("thc", "thc-mcast", "int32", "int32-mcast", "gloo")
 GROUP = "239.5.5.5:9700"
@@ -50,8 +51,15 @@ class Run:
 def model_args(args: argparse.Namespace) -> list[str]:
     return ["--width", str(args.width), "--layers", str(args.layers), "--in-features", str(args.in_features),
             "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--lr", "0.01", "--deadline", "60", "--mtu", str(args.mtu), "--timeout", str(args.timeout),
-            *(["--elems", str(args.elems)] if args.elems else [])]
+            "--lr", "0.01", "--deadline", "60", "--mtu", str(args.mtu), "--timeout", str(args.timeout)]
+
+
+def elems_for(job_kind: str, args: argparse.Namespace) -> int | None:
+    """K of a job: ``--elems`` where its results fit the MTU, else the most that fit (None: the job's default)."""
+    if args.elems is None:
+        return None
+    per = JobConfig(job=1, workers=args.workers, kind=job_kind, mtu=args.mtu).result_bits // 8
+    return min(args.elems, (args.mtu - IP_UDP_OVERHEAD - HEADER_BYTES) // per // 8 * 8)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -66,8 +74,9 @@ def measure(net: Topology, run: Run, job: int, args: argparse.Namespace, agg_pid
     out = tmp / f"{run.mode}-{run.rate_mbit:g}.json"
     extra: list[str] = ["--compression", "none"]
     if run.mode != "gloo":
-        extra = ["--compression", "thc" if run.mode.startswith("thc") else "uncompressed", "--job-id", str(job),
-                 "--aggregator", f"{net.address('agg')}:9451"]
+        k = elems_for(kind(run.mode), args)
+        extra = ["--compression", kind(run.mode), "--job-id", str(job), "--aggregator", f"{net.address('agg')}:9451",
+                 *(["--elems", str(k)] if k else [])]
         if run.mode.endswith("mcast"):
             extra += ["--multicast", GROUP]
     cpu0 = cpu_seconds(agg_pid) if agg_pid else 0.0
@@ -95,6 +104,10 @@ def measure(net: Topology, run: Run, job: int, args: argparse.Namespace, agg_pid
             "retransmissions": hook.get("transport_retransmissions", 0), "wall_s": wall}
 
 
+def kind(mode: str) -> str:
+    return "thc" if mode.startswith("thc") else "uncompressed"
+
+
 def run_all(args: argparse.Namespace) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="ddp-netem-") as tmpd:
@@ -109,9 +122,8 @@ def run_all(args: argparse.Namespace) -> list[dict]:
                 agg = None
                 if jobs:
                     agg = start_aggregator(net, [
-                        JobConfig(job=j, workers=args.workers, kind="thc" if m.startswith("thc") else "uncompressed",
-                                  multicast=GROUP if m.endswith("mcast") else None, mtu=args.mtu,
-                                  elems=args.elems) for m, j in jobs.items()],
+                        JobConfig(job=j, workers=args.workers, kind=kind(m), multicast=GROUP if m.endswith("mcast")
+                                  else None, mtu=args.mtu, elems=elems_for(kind(m), args)) for m, j in jobs.items()],
                         multicast=any(m.endswith("mcast") for m in modes))
                 for mode in args.modes:
                     row = measure(net, Run(rate, mode), jobs.get(mode, 9), args, agg.pid if agg else None, tmp)

@@ -4,6 +4,7 @@ its counters can be read; tests/test_allreduce.py runs separate processes)."""
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import threading
 import time
@@ -422,3 +423,102 @@ def test_zero_fill_allreduce_zeroes_lost_chunks_in_transformed_domain() -> None:
     scale = float(rotated.abs().max())
     assert float(rotated[torch.from_numpy(lost)].abs().max()) < 1e-4 * scale
     assert float(rotated[torch.from_numpy(~lost)].abs().mean()) > 1e-2 * scale
+
+
+def test_rtt_estimate_follows_rfc6298() -> None:
+    """The timeout starts at ``timeout``, then tracks SRTT + 4 RTTVAR (gains 1/8 and 1/4), clamped to
+    [timeout, max_timeout], doubles on every expiry until the next clean sample; without adaptation it
+    stays ``timeout``."""
+    cfg = JobConfig(workers=1, slots=4, elems=K)
+    tr = Transport(TransportConfig(params(cfg), worker=0, timeout=0.01, max_timeout=5.0))
+    try:
+        assert tr.rto() == 0.01
+        srtt, var = 0.1, 0.05  # first sample: SRTT = R, RTTVAR = R / 2
+        tr._rtt_sample(0.1)
+        assert tr.rto() == pytest.approx(srtt + 4 * var)
+        for r in (0.3, 0.02, 0.2):
+            var = 0.75 * var + 0.25 * abs(srtt - r)
+            srtt = 0.875 * srtt + 0.125 * r
+            tr._rtt_sample(r)
+        assert tr.rto() == pytest.approx(srtt + 4 * var)
+        base = srtt + 4 * var
+        tr._expired()
+        tr._expired()
+        assert tr.rto() == pytest.approx(4 * base)
+        for _ in range(10):
+            tr._expired()
+        assert tr.rto() == 5.0
+        var = 0.75 * var + 0.25 * abs(srtt - 0.02)
+        srtt = 0.875 * srtt + 0.125 * 0.02
+        tr._rtt_sample(0.02)  # a clean sample ends the backoff
+        assert tr.rto() == pytest.approx(srtt + 4 * var)
+        tr._rtt_sample(50.0)
+        assert tr.rto() == 5.0
+    finally:
+        tr.close()
+    fixed = Transport(TransportConfig(params(cfg), worker=0, timeout=0.01, adaptive_timeout=False))
+    fixed._rtt_sample(0.3)
+    fixed._expired()
+    assert fixed.rto() == 0.01
+    fixed.close()
+    with pytest.raises(ValueError, match="max_timeout"):
+        TransportConfig(params(cfg), worker=0, timeout=0.5, max_timeout=0.1)
+
+
+@contextlib.contextmanager
+def delaying_relay(target: int, delay: float) -> Iterator[int]:
+    """A UDP relay on loopback that holds every worker->aggregator datagram ``delay`` seconds (a queue
+    behind a slow link) and passes answers straight back; yields its port."""
+    front = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    back = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for s in (front, back):
+        s.bind(("127.0.0.1", 0))
+        s.setblocking(False)
+    stop = threading.Event()
+
+    def run() -> None:
+        held: list[tuple[float, bytes]] = []
+        client = None
+        while not stop.is_set():
+            now = time.monotonic()
+            while held and held[0][0] <= now:
+                back.sendto(held.pop(0)[1], ("127.0.0.1", target))
+            wait = max(0.0, held[0][0] - now) if held else 0.01
+            ready, _, _ = select.select([front, back], [], [], min(wait, 0.01))
+            for s in ready:
+                with contextlib.suppress(BlockingIOError):
+                    while True:
+                        data, addr = s.recvfrom(65536)
+                        if s is front:
+                            client = addr
+                            held.append((time.monotonic() + delay, data))
+                        elif client is not None:
+                            front.sendto(data, client)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    try:
+        yield front.getsockname()[1]
+    finally:
+        stop.set()
+        th.join(5)
+        front.close()
+        back.close()
+
+
+def test_adaptive_timeout_stops_spurious_retransmissions() -> None:
+    """Behind an 80 ms queue, a fixed 10 ms timeout resends every use several times; the adaptive
+    timeout learns the round trip within the first window and then resends (almost) nothing. Both stay
+    exact."""
+    cfg = JobConfig(workers=1, slots=8, elems=K)
+    idx = np.random.default_rng(3).integers(0, 16, 64 * K).astype(np.uint8)
+    retx = {}
+    for adaptive in (False, True):  # a fresh aggregator each: a new worker would find the slots' rounds moved on
+        with serving(cfg) as srv, delaying_relay(srv.port, 0.08) as port, \
+                Transport(TransportConfig(params(cfg), worker=0, aggregator=("127.0.0.1", port), timeout=0.01,
+                                          adaptive_timeout=adaptive)) as tr:
+            res = tr.exchange_indices(idx)
+            assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
+            retx[adaptive] = tr.stats.retransmissions
+    assert retx[False] >= 64 * 2, retx
+    assert retx[True] < retx[False] / 4, retx

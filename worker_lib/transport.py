@@ -2,7 +2,11 @@
 
 ``Transport`` runs *uses* of the job's slot pool (docs/protocol.md): use u takes slot u mod S with
 that slot's next round; a sliding window keeps at most W <= S uses in flight and never starts a use
-before the previous use of its slot has finished. Per-use timeouts drive retransmission; two loss
+before the previous use of its slot has finished. Per-use timeouts drive retransmission: the timeout
+adapts to the measured round trip as TCP's does (RFC 6298: SRTT + 4 RTTVAR from uses answered
+without retransmission, never below ``timeout`` nor above ``max_timeout``, doubled on every expiry
+until a use is answered without retransmission), so that a window queued behind a slow link is not
+sent again while it waits. Two loss
 policies decide what a missing result means:
 
 - ``reliable``: retransmit until the result arrives (exact), or raise ``AggregatorUnreachable`` when
@@ -85,7 +89,9 @@ class TransportConfig:
     aggregator: tuple[str, int] = ("127.0.0.1", 9451)
     shards: int = 1
     loss_policy: LossPolicy = "reliable"
-    timeout: float = 0.05  #: seconds before a use is retransmitted
+    timeout: float = 0.05  #: seconds before a use is retransmitted: the first, and the least, timeout
+    max_timeout: float = 2.0  #: the most the adaptive timeout grows to (with its backoff)
+    adaptive_timeout: bool = True  #: False: always ``timeout`` (no RTT estimate, no backoff)
     retries: int = 3  #: zero-fill: retransmissions before a chunk is given up
     deadline: float = 10.0  #: seconds without any answer before AggregatorUnreachable
     window: int | None = None  #: uses in flight (default and maximum: the job's slots)
@@ -109,6 +115,8 @@ class TransportConfig:
                 raise ValueError(f"{name} must be in [0, 1)")
         if self.timeout <= 0 or self.deadline <= 0:
             raise ValueError("timeout and deadline must be positive")
+        if self.max_timeout < self.timeout:
+            raise ValueError(f"max_timeout {self.max_timeout} is below timeout {self.timeout}")
         if self.window is not None and not 1 <= self.window <= p.slots:
             raise ValueError(f"window must be in 1..slots={p.slots}")
 
@@ -175,6 +183,9 @@ class Transport:
         self._rbuf = bytearray(65536)
         self._dests = [(cfg.aggregator[0], cfg.aggregator[1] + i) for i in range(cfg.shards)]
         self.pcap = PcapWriter(cfg.pcap) if cfg.pcap is not None else None
+        self.srtt: float | None = None  #: smoothed round trip of a use (seconds), None before a sample
+        self.rttvar = 0.0
+        self.backoff = 0  #: doublings of the timeout since the last unambiguous round-trip sample
 
     @property
     def address(self) -> tuple[str, int]:
@@ -399,8 +410,11 @@ class Transport:
                 self._send(rows[nxt], int(slots[nxt]))
                 sent_at[nxt] = now
                 nxt += 1
-            # Retransmit or give up what timed out.
-            due = base + np.flatnonzero(~done[base:nxt] & (now - sent_at[base:nxt] >= cfg.timeout))
+            # Retransmit or give up what timed out (each retry of a use doubles its timeout).
+            rto = self.rto()
+            due = base + np.flatnonzero(~done[base:nxt] & (now - sent_at[base:nxt] >= rto))
+            if due.size:
+                self._expired()
             for i in due.tolist():
                 if policy == "zero-fill" and tries[i] >= cfg.retries:
                     self._finish_lost(i, int(slots[i]), tensor, done, lost, by_slot)
@@ -420,7 +434,8 @@ class Transport:
             if base >= count or (nxt < count and nxt < base + window):
                 continue
             pending = sent_at[base:nxt][~done[base:nxt]]
-            wait = max(0.0, min(cfg.timeout, float(pending.min()) + cfg.timeout - now) if pending.size else 0.0)
+            rto = self.rto()
+            wait = max(0.0, min(rto, float(pending.min()) + rto - now) if pending.size else 0.0)
             ready, _, _ = select.select(self.socks, [], [], max(wait, 0.0005))
             for s in ready:
                 while True:
@@ -468,6 +483,8 @@ class Transport:
                     contrib[i] = fcontrib
                     bitmap[i] = fbitmap
                     done[i] = True
+                    if tries[i] == 0:
+                        self._rtt_sample(last_answer - sent_at[i])
                     by_slot.pop(fslot, None)
                     self.stats.results += 1
                     if s is not self.sock:
@@ -481,6 +498,28 @@ class Transport:
         by_slot.pop(slot, None)
         self.stats.lost_chunks += 1
         self.stats.lost.append((tensor, i))
+
+    def rto(self) -> float:
+        """The current retransmission timeout of a use."""
+        cfg = self.cfg
+        if not cfg.adaptive_timeout:
+            return cfg.timeout
+        base = cfg.timeout if self.srtt is None else max(cfg.timeout, self.srtt + 4.0 * self.rttvar)
+        return min(cfg.max_timeout, base * 2.0 ** self.backoff)
+
+    def _expired(self) -> None:
+        """A use timed out: back the timeout off (kept for new uses too, until a clean sample)."""
+        if self.cfg.adaptive_timeout and self.rto() < self.cfg.max_timeout:
+            self.backoff += 1
+
+    def _rtt_sample(self, rtt: float) -> None:
+        """Fold in the round trip of a use answered without retransmission (Karn's rule)."""
+        if self.srtt is None:
+            self.srtt, self.rttvar = rtt, rtt / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
+            self.srtt = 0.875 * self.srtt + 0.125 * rtt
+        self.backoff = 0
 
     def _receive(self, sock: socket.socket) -> int:
         """One datagram into ``self._rbuf``: its length, or -1 when the simulated loss took it.
