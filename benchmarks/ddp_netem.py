@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--qdisc", choices=("tbf", "htb"), default="tbf")
     p.add_argument("--mtu", type=int, default=1500, help="MTU of every link (9000: jumbo frames, for every mode)")
     p.add_argument("--elems", type=int, help="elements per aggregator packet K (default: the job's for the MTU)")
-    p.add_argument("--timeout", type=float, default=0.05, help="the workers' retransmission timeout, seconds")
+    p.add_argument("--timeout", type=float, default=0.05, help="workers' least retransmission timeout, s")
     p.add_argument("--loss", type=float, default=0.0,
                    help="random loss in %% per direction on every worker's link (netem, or nftables: whole %%)")
     p.add_argument("--loss-udp-only", action="store_true", help="drop only UDP (gloo's TCP and the rendezvous "

@@ -442,11 +442,11 @@ def test_rtt_estimate_follows_rfc6298() -> None:
             tr._rtt_sample(r)
         assert tr.rto() == pytest.approx(srtt + 4 * var)
         base = srtt + 4 * var
-        tr._expired()
-        tr._expired()
+        tr._expired(0.0)
+        tr._expired(0.0)
         assert tr.rto() == pytest.approx(4 * base)
         for _ in range(10):
-            tr._expired()
+            tr._expired(0.0)
         assert tr.rto() == 5.0
         var = 0.75 * var + 0.25 * abs(srtt - 0.02)
         srtt = 0.875 * srtt + 0.125 * 0.02
@@ -458,7 +458,7 @@ def test_rtt_estimate_follows_rfc6298() -> None:
         tr.close()
     fixed = Transport(TransportConfig(params(cfg), worker=0, timeout=0.01, adaptive_timeout=False))
     fixed._rtt_sample(0.3)
-    fixed._expired()
+    fixed._expired(0.0)
     assert fixed.rto() == 0.01
     fixed.close()
     with pytest.raises(ValueError, match="max_timeout"):
@@ -466,9 +466,10 @@ def test_rtt_estimate_follows_rfc6298() -> None:
 
 
 @contextlib.contextmanager
-def delaying_relay(target: int, delay: float) -> Iterator[int]:
+def delaying_relay(target: int, delay: float, capacity: int | None = None) -> Iterator[int]:
     """A UDP relay on loopback that holds every worker->aggregator datagram ``delay`` seconds (a queue
-    behind a slow link) and passes answers straight back; yields its port."""
+    behind a slow link; beyond ``capacity`` held datagrams it drops, as a full queue does) and passes
+    answers straight back; yields its port."""
     front = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     back = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     for s in (front, back):
@@ -491,7 +492,8 @@ def delaying_relay(target: int, delay: float) -> Iterator[int]:
                         data, addr = s.recvfrom(65536)
                         if s is front:
                             client = addr
-                            held.append((time.monotonic() + delay, data))
+                            if capacity is None or len(held) < capacity:
+                                held.append((time.monotonic() + delay, data))
                         elif client is not None:
                             front.sendto(data, client)
 
@@ -522,3 +524,22 @@ def test_adaptive_timeout_stops_spurious_retransmissions() -> None:
             retx[adaptive] = tr.stats.retransmissions
     assert retx[False] >= 64 * 2, retx
     assert retx[True] < retx[False] / 4, retx
+
+
+def test_congestion_window_backs_off_a_full_queue() -> None:
+    """A queue of 12 packets (40 ms) in front of the aggregator: a fixed window of 64 uses overflows it
+    on every burst; the congestion window halves on loss and stays near what the queue holds, so far
+    fewer packets are lost and resent. Both stay exact."""
+    cfg = JobConfig(workers=1, slots=64, elems=K)
+    idx = np.random.default_rng(4).integers(0, 16, 256 * K).astype(np.uint8)
+    retx = {}
+    for cc in (False, True):
+        with serving(cfg) as srv, delaying_relay(srv.port, 0.04, capacity=12) as port, \
+                Transport(TransportConfig(params(cfg), worker=0, aggregator=("127.0.0.1", port), timeout=0.01,
+                                          congestion_control=cc)) as tr:
+            res = tr.exchange_indices(idx)
+            assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
+            retx[cc] = tr.stats.retransmissions
+            if cc:
+                assert 2 <= tr.window() <= 24
+    assert retx[True] < retx[False] / 2, retx

@@ -6,7 +6,10 @@ before the previous use of its slot has finished. Per-use timeouts drive retrans
 adapts to the measured round trip as TCP's does (RFC 6298: SRTT + 4 RTTVAR from uses answered
 without retransmission, never below ``timeout`` nor above ``max_timeout``, doubled on every expiry
 until a use is answered without retransmission), so that a window queued behind a slow link is not
-sent again while it waits. Two loss
+sent again while it waits. The window itself is a congestion window (TCP's AIMD): it grows by one
+use per answer up to ``ssthresh`` and by one per window of answers beyond it, up to W, and halves
+when uses time out (at most once per round trip), so that a window of large packets does not
+overflow the queue of a slow link again and again. Two loss
 policies decide what a missing result means:
 
 - ``reliable``: retransmit until the result arrives (exact), or raise ``AggregatorUnreachable`` when
@@ -95,6 +98,8 @@ class TransportConfig:
     retries: int = 3  #: zero-fill: retransmissions before a chunk is given up
     deadline: float = 10.0  #: seconds without any answer before AggregatorUnreachable
     window: int | None = None  #: uses in flight (default and maximum: the job's slots)
+    congestion_control: bool = True  #: AIMD congestion window below ``window``; False: always ``window``
+    initial_window: int = 16  #: the congestion window's start (and its ssthresh floor of 2 below it)
     drop_up: float = 0.0  #: simulated loss of sent packets (seeded, for tests and experiments)
     drop_down: float = 0.0  #: simulated loss of received packets
     seed: int = 0
@@ -119,6 +124,8 @@ class TransportConfig:
             raise ValueError(f"max_timeout {self.max_timeout} is below timeout {self.timeout}")
         if self.window is not None and not 1 <= self.window <= p.slots:
             raise ValueError(f"window must be in 1..slots={p.slots}")
+        if self.initial_window < 1:
+            raise ValueError(f"initial_window must be at least 1, got {self.initial_window}")
 
 
 @dataclass
@@ -186,6 +193,10 @@ class Transport:
         self.srtt: float | None = None  #: smoothed round trip of a use (seconds), None before a sample
         self.rttvar = 0.0
         self.backoff = 0  #: doublings of the timeout since the last unambiguous round-trip sample
+        self.max_window = min(cfg.window or cfg.params.slots, cfg.params.slots)
+        self.cwnd = float(min(self.max_window, max(1, cfg.initial_window)))  #: congestion window (uses)
+        self.ssthresh = float(self.max_window)
+        self._last_cut = -math.inf
 
     @property
     def address(self) -> tuple[str, int]:
@@ -289,12 +300,13 @@ class Transport:
         lost = MessageResult(np.zeros(0, np.uint8), 0, 0)
         while True:
             now = time.monotonic()
-            if now - sent_at >= cfg.timeout:
+            if now - sent_at >= self.rto():
                 if cfg.loss_policy == "zero-fill" and tries >= cfg.retries:
                     self.stats.lost_chunks += 1
                     self.stats.lost.append((tensor, 0))
                     return lost
                 tries += 1
+                self._expired(now)
                 # Fragment k is answered with result fragments k, k + frags, ...: resend only those whose
                 # answers are missing once the result's fragment count is known.
                 want = range(frags) if res_frags < 0 else \
@@ -308,7 +320,7 @@ class Transport:
                     f"worker {cfg.worker}: no answer from the aggregator at {dest[0]}:{dest[1]} for "
                     f"{cfg.deadline:.1f} s: is thc-aggregator running there with dar job {p.job} and this key, "
                     f"and are the job's other workers sending?")
-            wait = max(0.0005, sent_at + cfg.timeout - now)
+            wait = max(0.0005, sent_at + self.rto() - now)
             ready, _, _ = select.select(self.socks, [], [], wait)
             for sock in ready:
                 while True:
@@ -357,6 +369,8 @@ class Transport:
                     got[fchunk] = True
                     have += 1
                     if have == res_frags:
+                        if tries == 0:
+                            self._rtt_sample(last_answer - sent_at)
                         self.stats.results += 1
                         if sock is not self.sock:
                             self.stats.multicast_results += 1
@@ -397,7 +411,6 @@ class Transport:
         done = np.zeros(count, bool)
         sent_at = np.zeros(count)
         tries = np.zeros(count, np.int64)
-        window = min(cfg.window or p.slots, p.slots)
         by_slot: dict[int, int] = {}
         base = nxt = 0
         last_answer = time.monotonic()
@@ -405,6 +418,7 @@ class Transport:
         rdt = np.dtype({8: ">u1", 16: ">u2", 32: ">u4"}[32 if is_norm else p.result_bits])
         while base < count:
             now = time.monotonic()
+            window = self.window()
             while nxt < count and nxt < base + window:
                 by_slot[int(slots[nxt])] = nxt
                 self._send(rows[nxt], int(slots[nxt]))
@@ -414,7 +428,7 @@ class Transport:
             rto = self.rto()
             due = base + np.flatnonzero(~done[base:nxt] & (now - sent_at[base:nxt] >= rto))
             if due.size:
-                self._expired()
+                self._expired(now)
             for i in due.tolist():
                 if policy == "zero-fill" and tries[i] >= cfg.retries:
                     self._finish_lost(i, int(slots[i]), tensor, done, lost, by_slot)
@@ -431,7 +445,7 @@ class Transport:
                     f"table, and are the job's other workers sending?")
             while base < count and done[base]:
                 base += 1
-            if base >= count or (nxt < count and nxt < base + window):
+            if base >= count or (nxt < count and nxt < base + self.window()):
                 continue
             pending = sent_at[base:nxt][~done[base:nxt]]
             rto = self.rto()
@@ -485,6 +499,7 @@ class Transport:
                     done[i] = True
                     if tries[i] == 0:
                         self._rtt_sample(last_answer - sent_at[i])
+                    self._answered()
                     by_slot.pop(fslot, None)
                     self.stats.results += 1
                     if s is not self.sock:
@@ -507,10 +522,26 @@ class Transport:
         base = cfg.timeout if self.srtt is None else max(cfg.timeout, self.srtt + 4.0 * self.rttvar)
         return min(cfg.max_timeout, base * 2.0 ** self.backoff)
 
-    def _expired(self) -> None:
-        """A use timed out: back the timeout off (kept for new uses too, until a clean sample)."""
+    def window(self) -> int:
+        """Uses that may be in flight now: the congestion window (or the configured window)."""
+        if not self.cfg.congestion_control:
+            return self.max_window
+        return max(1, min(self.max_window, int(self.cwnd)))
+
+    def _expired(self, now: float) -> None:
+        """Uses timed out: back the timeout off (kept for new uses too, until a clean sample) and halve
+        the congestion window, once per round trip."""
         if self.cfg.adaptive_timeout and self.rto() < self.cfg.max_timeout:
             self.backoff += 1
+        if self.cfg.congestion_control and now - self._last_cut >= (self.srtt or self.cfg.timeout):
+            self.ssthresh = max(2.0, self.cwnd / 2)
+            self.cwnd = self.ssthresh
+            self._last_cut = now
+
+    def _answered(self) -> None:
+        """A use was answered: grow the congestion window (slow start, then one use per window)."""
+        if self.cfg.congestion_control:
+            self.cwnd = min(float(self.max_window), self.cwnd + (1.0 if self.cwnd < self.ssthresh else 1.0 / self.cwnd))
 
     def _rtt_sample(self, rtt: float) -> None:
         """Fold in the round trip of a use answered without retransmission (Karn's rule)."""
