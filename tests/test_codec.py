@@ -116,6 +116,26 @@ def test_error_feedback_matches_its_definition():
     assert math.isclose(w.begin(g2, 0, 1), float((g2 + w.error(0)).norm()), rel_tol=1e-5)
 
 
+def test_residual_is_the_error_of_its_definition():
+    """THCWorker.residual (for callers that keep error feedback themselves) is x - RHT^-1(X_i), computed
+    independently in float64, and leaves the step's decoding intact."""
+    d = 777
+    w = THCWorker(THCConfig(error_feedback=False), job=2, seed=5)
+    g = torch.randn(d)
+    with pytest.raises(RuntimeError, match="compress"):
+        w.begin(g, 0, 4)
+        w.residual(0, g, out=torch.empty(d))
+    enc = w.compress(0, w.begin(g, 0, 4))
+    indices = enc.indices.clone()
+    res = w.residual(0, g, out=torch.empty(d))
+    rht = RandomizedHadamard(d, SignKey.derive(2, 0, 4), dtype=torch.float64)
+    values = torch.tensor(w.codec.table.values, dtype=torch.float64)[indices.long()]
+    x_i = -enc.scale + values * 2 * enc.scale / w.config.granularity
+    assert torch.allclose(res.double(), g.double() - rht.inverse(x_i), atol=1e-5)
+    decoded = w.finish(0, w.codec.aggregate([indices]), 1)
+    assert torch.allclose(decoded.double(), rht.inverse(x_i), atol=1e-5)
+
+
 def test_workers_share_signs_but_not_randomness():
     x = torch.randn(4096)
     a, b = THCWorker(THCConfig(), job=3, seed=1), THCWorker(THCConfig(), job=3, seed=2)

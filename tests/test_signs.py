@@ -29,7 +29,7 @@ def test_signs_match_spec(d):
 
 def test_float32_and_generic_paths_agree():
     key = SignKey.derive(1, 2, 3)
-    fast = rademacher(key, 10_000)  # numpy bit unpacking
+    fast = rademacher(key, 10_000)  # numpy uint32 hash and byte table (CPU float32)
     generic = rademacher(key, 10_000, dtype=torch.float64)  # torch shifts, as on a GPU
     assert torch.equal(fast.double(), generic)
     out = torch.empty(10_000)

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from worker_lib.thc import RandomizedHadamard, SignKey, THCConfig, THCWorker
+from worker_lib.thc import THCConfig, THCWorker
 from worker_lib.transport import AggregatorUnreachable, JobParams, LossPolicy, Transport, TransportConfig
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,6 @@ class THCHookState:
     _workers: dict[str, THCWorker] = field(init=False, default_factory=dict)
     _bucket_errors: dict[int, _BucketError] = field(init=False, default_factory=dict)
     _param_errors: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
-    _rotations: dict[int, RandomizedHadamard] = field(init=False, default_factory=dict)
     _executor: concurrent.futures.ThreadPoolExecutor | None = field(init=False, default=None)
     _failed: BaseException | None = field(init=False, default=None)
     _t_mark: float = field(init=False, default=0.0)  #: when the last exchange ended (decode time starts)
@@ -264,15 +263,6 @@ class THCHookState:
             self._param_errors[pid] = view
         return flat
 
-    def _inverse_rht(self, index: int, d: int, key: SignKey, device: torch.device) -> RandomizedHadamard:
-        """The rotation of bucket ``index`` for this step (one instance per bucket, rekeyed every step)."""
-        rht = self._rotations.get(index)
-        if rht is None or rht.d != d or rht.signs.device != device:
-            rht = self._rotations[index] = RandomizedHadamard(d, key, device=device)
-        else:
-            rht.rekey(key)
-        return rht
-
     def _average(self, buffer: torch.Tensor, index: int, params: tuple[int, ...], sizes: list[int], step: int,
                  last: bool) -> None:
         cfg, st = self.config, self.stats
@@ -307,10 +297,7 @@ class THCHookState:
         t2 = time.perf_counter()
         enc = worker.compress(index, max(max_norm, norm))
         if err is not None:
-            # e <- x - RHT^-1(X_i): what this worker's own indices failed to carry (Algorithm 3).
-            rht = self._inverse_rht(index, x.numel(), SignKey.derive(cfg.job, index, step), flat.device)
-            own = worker.codec.own_values(enc)
-            torch.sub(x, rht.inverse(own, out=own), out=err)
+            worker.residual(index, x, out=err)  # e <- x - RHT^-1(X_i), with this step's rotation (Algorithm 3)
         idx = np.asarray(enc.indices.cpu().numpy(), np.uint8)
         t3 = time.perf_counter()
         res = tr.exchange_indices(idx, tensor=index)

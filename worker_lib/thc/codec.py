@@ -308,6 +308,16 @@ class THCWorker:
         st.encoded = self.codec.quantize_rotated(st.buffers.ws.rotated, max_norm, st.x.numel(), st.buffers)
         return st.encoded
 
+    def residual(self, tensor: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out = x - RHT^-1(X_i): what this step's own indices failed to carry of ``x`` (Algorithm 3's
+        error), computed with this step's rotation after ``compress`` (for callers that keep error
+        feedback themselves, such as the DDP hook; the signs are not generated again)."""
+        st = self._require(tensor)
+        if st.encoded is None:
+            raise RuntimeError(f"tensor {tensor}: compress() must come before residual()")
+        own = self.codec.own_values(st.encoded, out=st.buffers.ws.rotated)
+        return torch.sub(x, st.buffers.rht.inverse(own, out=own), out=out)
+
     def finish(self, tensor: int, sums: torch.Tensor, count: int | torch.Tensor,
                out: torch.Tensor | None = None, lost: torch.Tensor | None = None) -> torch.Tensor:
         """Decode the average from integer sums and update this worker's error feedback.

@@ -75,6 +75,30 @@ def sign_words(key: SignKey, n_words: int, device: torch.device | str = "cpu") -
 
 
 
+def _sign_words_u32(key: SignKey, n_words: int) -> np.ndarray:
+    """``sign_words`` on the CPU in numpy uint32, whose products wrap modulo 2^32 natively (no limbs)."""
+    with np.errstate(over="ignore"):
+        x = np.arange(n_words, dtype=np.uint32)
+        for k in (key.k0, key.k1):
+            x ^= np.uint32(k)
+            x ^= x >> np.uint32(16)
+            x *= np.uint32(MUL_A)
+            x ^= x >> np.uint32(15)
+            x *= np.uint32(MUL_B)
+            x ^= x >> np.uint32(15)
+    return x
+
+
+def _byte_signs() -> np.ndarray:
+    """byte -> its 8 signs as one 32-byte item (bit i set: coordinate i is -1), for one gather per byte."""
+    b = np.arange(256)
+    signs = np.where((b[:, None] >> np.arange(8)) & 1, -1.0, 1.0).astype(np.float32)
+    return np.ascontiguousarray(signs).view(np.dtype((np.void, 32))).reshape(256)
+
+
+_BYTE_SIGNS = _byte_signs()
+
+
 def rademacher(key: SignKey, d: int, device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
     """The d signs (+1/-1) of the key: coordinate i takes bit i mod 32 of word i // 32 (1 means -1).
@@ -87,15 +111,16 @@ def rademacher(key: SignKey, d: int, device: torch.device | str = "cpu",
         if out.shape != (d,):
             raise ValueError(f"out must have shape ({d},), got {tuple(out.shape)}")
         device, dtype = out.device, out.dtype
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        # little-endian bytes of each word, least significant bit first: bit i of word c; each byte
+        # becomes its 8 signs with one gather
+        words = _sign_words_u32(key, (d + 31) // 32).astype("<u4", copy=False)
+        signs = _BYTE_SIGNS[words.view(np.uint8)].view(np.float32)[:d]
+        if out is None:
+            return torch.from_numpy(signs)
+        out.numpy()[:] = signs
+        return out
     words = sign_words(key, (d + 31) // 32, device)
-    if words.device.type == "cpu" and dtype == torch.float32:
-        # little-endian bytes of each word, least significant bit first: bit i of word c
-        bits = np.unpackbits(words.numpy().astype("<u4").view(np.uint8), bitorder="little")[:d]
-        target = torch.empty(d, dtype=torch.float32) if out is None else out
-        raw = target.numpy().view(np.uint32)  # IEEE-754 +1.0 with the sign bit set from the hash bit
-        np.left_shift(bits, np.uint32(31), out=raw, dtype=np.uint32)
-        np.bitwise_or(raw, np.uint32(0x3F800000), out=raw)
-        return target
     shifts = torch.arange(32, dtype=torch.int64, device=words.device)
     bits = ((words[:, None] >> shifts) & 1).reshape(-1)[:d]
     signs = (1 - 2 * bits).to(dtype)
