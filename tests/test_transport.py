@@ -461,6 +461,12 @@ def test_rtt_estimate_follows_rfc6298() -> None:
     fixed._expired(0.0)
     assert fixed.rto() == 0.01
     fixed.close()
+    # zero-fill keeps its workers in step: fixed timeout, fixed window, whatever the samples say
+    zf = Transport(TransportConfig(params(cfg), worker=0, timeout=0.01, loss_policy="zero-fill"))
+    zf._rtt_sample(0.3)
+    zf._expired(1.0)
+    assert zf.rto() == 0.01 and zf.window() == cfg.slots
+    zf.close()
     with pytest.raises(ValueError, match="max_timeout"):
         TransportConfig(params(cfg), worker=0, timeout=0.5, max_timeout=0.1)
 

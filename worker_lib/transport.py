@@ -9,7 +9,9 @@ until a use is answered without retransmission), so that a window queued behind 
 sent again while it waits. The window itself is a congestion window (TCP's AIMD): it grows by one
 use per answer up to ``ssthresh`` and by one per window of answers beyond it, up to W, and halves
 when uses time out (at most once per round trip), so that a window of large packets does not
-overflow the queue of a slow link again and again. Two loss
+overflow the queue of a slow link again and again. Both are for ``reliable``: under ``zero-fill`` the
+workers must stay in step (a chunk one worker gives up must not complete for another), so the
+timeout stays ``timeout`` and the window W. Two loss
 policies decide what a missing result means:
 
 - ``reliable``: retransmit until the result arrives (exact), or raise ``AggregatorUnreachable`` when
@@ -94,11 +96,11 @@ class TransportConfig:
     loss_policy: LossPolicy = "reliable"
     timeout: float = 0.05  #: seconds before a use is retransmitted: the first, and the least, timeout
     max_timeout: float = 2.0  #: the most the adaptive timeout grows to (with its backoff)
-    adaptive_timeout: bool = True  #: False: always ``timeout`` (no RTT estimate, no backoff)
+    adaptive_timeout: bool = True  #: False (and zero-fill): always ``timeout`` (no RTT estimate, no backoff)
     retries: int = 3  #: zero-fill: retransmissions before a chunk is given up
     deadline: float = 10.0  #: seconds without any answer before AggregatorUnreachable
     window: int | None = None  #: uses in flight (default and maximum: the job's slots)
-    congestion_control: bool = True  #: AIMD congestion window below ``window``; False: always ``window``
+    congestion_control: bool = True  #: AIMD congestion window below ``window`` (reliable policy only)
     initial_window: int = 16  #: the congestion window's start (and its ssthresh floor of 2 below it)
     drop_up: float = 0.0  #: simulated loss of sent packets (seeded, for tests and experiments)
     drop_down: float = 0.0  #: simulated loss of received packets
@@ -515,16 +517,21 @@ class Transport:
         self.stats.lost.append((tensor, i))
 
     def rto(self) -> float:
-        """The current retransmission timeout of a use."""
+        """The current retransmission timeout of a use (fixed under ``zero-fill``, see ``window``:
+        workers that gave chunks up at different times would drift out of step)."""
         cfg = self.cfg
-        if not cfg.adaptive_timeout:
+        if not cfg.adaptive_timeout or cfg.loss_policy == "zero-fill":
             return cfg.timeout
         base = cfg.timeout if self.srtt is None else max(cfg.timeout, self.srtt + 4.0 * self.rttvar)
         return min(cfg.max_timeout, base * 2.0 ** self.backoff)
 
     def window(self) -> int:
-        """Uses that may be in flight now: the congestion window (or the configured window)."""
-        if not self.cfg.congestion_control:
+        """Uses that may be in flight now: the congestion window (or the configured window).
+
+        Under ``zero-fill`` the window stays W: a worker whose window shrank would send its chunks
+        after the others gave them up, so that some workers would decode a chunk the others zero-filled.
+        """
+        if not self.cfg.congestion_control or self.cfg.loss_policy == "zero-fill":
             return self.max_window
         return max(1, min(self.max_window, int(self.cwnd)))
 
