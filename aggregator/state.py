@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from aggregator.jobs import JobConfig, JobConfigError
-from worker_lib.wire.layout import HEADER_BYTES, ROUND_BITS, VERSION, PacketType
+from worker_lib.wire.layout import HEADER_BYTES, HEADER_STRUCT, ROUND_BITS, VERSION, PacketType
 from worker_lib.wire.serializer import header_view, unpack_indices_np
 
 log = logging.getLogger(__name__)
@@ -177,15 +177,18 @@ class Aggregator:
     ``shard``/``shards``: this instance owns the slots s with s mod shards == shard (others are
     dropped and counted). ``max_batch`` bounds the rows of one ``process`` call. A job's packets of a
     batch are applied slot group by slot group when there are at least ``group_min`` of them; fewer
-    walk the state table one by one, which costs less than the grouping's fixed overhead.
+    walk the state table one by one, which costs less than the grouping's fixed overhead. Batches of
+    fewer than ``scalar_below`` packets are also validated one by one, in plain Python: for a few
+    packets, numpy's fixed cost per call would be most of the work.
     """
 
     def __init__(self, jobs: Iterable[JobConfig] = (), *, shard: int = 0, shards: int = 1,
-                 max_batch: int = 256, stride: int = DEFAULT_STRIDE, group_min: int = 16) -> None:
+                 max_batch: int = 256, stride: int = DEFAULT_STRIDE, group_min: int = 16,
+                 scalar_below: int = 8) -> None:
         if not 0 <= shard < shards:
             raise ValueError(f"shard {shard} is not in 0..{shards - 1}")
         self.shard, self.shards, self.max_batch, self.stride = shard, shards, max_batch, stride
-        self.group_min = group_min
+        self.group_min, self.scalar_below = group_min, scalar_below
         self.counters = np.zeros(len(Counter), np.int64)
         self.jobs: dict[int, JobState] = {}
         # Per-job-id parameter arrays for vectorized validation (fixed size: job ids are 16 bits).
@@ -262,6 +265,8 @@ class Aggregator:
             return out
         c = self.counters
         c[_CI.RX] += n
+        if n < self.scalar_below:
+            return self._process_scalar(buf, lengths, n)
         lens = np.asarray(lengths, np.int64)
         h = header_view(buf[:n])
         ver = h["version"].astype(np.int64)
@@ -329,6 +334,68 @@ class Aggregator:
             self._flush_payloads()
             self._finish_headers(buf)
         return out
+
+    def _process_scalar(self, buf: np.ndarray, lengths: np.ndarray, n: int) -> Outputs:
+        """``process`` for a few packets: the same checks, in the same order, one packet at a time."""
+        c = self.counters
+        typ, job, worker, slot, rnd = [0] * n, [0] * n, [0] * n, [0] * n, [0] * n
+        norm_bits, row_pos = [0] * n, [-1] * n
+        good: list[int] = []
+        data_rows: dict[int, list[int]] = {}
+        unpack = HEADER_STRUCT.unpack_from
+        for i in range(n):
+            length = int(lengths[i])
+            if length < HEADER_BYTES:
+                c[_CI.SHORT] += 1
+                continue
+            ver, t, j, key, table, w, _, s, r, _, _, elems, width, _, _ = unpack(buf[i])
+            typ[i], job[i], worker[i], slot[i], rnd[i] = t, j, w, s, r
+            js = self.jobs.get(j)
+            cfg = js.cfg if js is not None else None
+            is_norm = t == _PT.NORM
+            if ver != VERSION:
+                code = _CI.BAD_VERSION
+            elif t != _PT.DATA and not is_norm:
+                code = _CI.BAD_TYPE
+            elif cfg is None:
+                code = _CI.UNKNOWN_JOB
+            elif key != cfg.key:
+                code = _CI.BAD_KEY
+            elif table != cfg.table_id:
+                code = _CI.BAD_TABLE
+            elif w >= cfg.workers:
+                code = _CI.BAD_WORKER
+            elif s >= cfg.slots:
+                code = _CI.BAD_SLOT
+            elif s % self.shards != self.shard:
+                code = _CI.WRONG_SHARD
+            elif (elems, width, length) != ((1, 32, HEADER_BYTES + 4) if is_norm else
+                                            (cfg.elems, cfg.data_width, HEADER_BYTES + cfg.data_bytes)):
+                code = _CI.BAD_FORMAT
+            else:
+                code = 0
+                if is_norm:
+                    bits = int.from_bytes(buf[i, HEADER_BYTES:HEADER_BYTES + 4].tobytes(), "big")
+                    if bits >> 31 or (bits >> 23) & 0xFF == 0xFF:
+                        code = _CI.BAD_NORM
+                    norm_bits[i] = bits
+            if code:
+                c[code] += 1
+                continue
+            good.append(i)
+            if not is_norm:
+                data_rows.setdefault(j, []).append(i)
+        self.last_good, self.last_job, self.last_worker = np.array(good, np.int64), np.array(job), np.array(worker)
+        values: dict[int, np.ndarray] = {}
+        for j, rows in data_rows.items():
+            values[j] = self._lookup(self.jobs[j], buf, np.array(rows))
+            for k, i in enumerate(rows):
+                row_pos[i] = k
+        if good:
+            self._apply(buf, good, typ, job, worker, slot, rnd, norm_bits, row_pos, values)
+            self._flush_payloads()
+            self._finish_headers(buf)
+        return self.out
 
     @staticmethod
     def _lookup(js: JobState, buf: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from aggregator.jobs import JobConfig
 from aggregator.state import Aggregator, Counter
-from worker_lib.wire import PacketType, build_packet, pack_indices_np, parse_packet
+from worker_lib.wire import HEADER_BYTES, PacketType, build_packet, pack_indices_np, parse_packet
 
 K = 8
 CFG = JobConfig(job=4, key=0xABCD, workers=3, threshold=2, bits=2, granularity=10, table=(0, 2, 7, 10), slots=2,
@@ -150,3 +150,55 @@ def _check_against_model(pkts: list[dict], batch: int, threshold: int, group_min
                 assert hdr["type"] == PacketType.RESULT and list(payload) == ebank["vals"]
             else:
                 assert hdr["type"] == PacketType.NORM_RESULT and int.from_bytes(payload, "big") == ebank["vals"][0]
+
+
+def _wire(p: dict) -> bytes:
+    if p["type"] == PacketType.DATA:
+        payload, fields = pack_indices_np(np.array(p["indices"]), CFG.bits).tobytes(), {"elems": K, "width": CFG.bits}
+    else:
+        payload, fields = p["norm_bits"].to_bytes(4, "big"), {"elems": 1, "width": 32}
+    return build_packet(payload, type=p["type"], job=CFG.job, key=CFG.key, table_id=CFG.table_id,
+                        worker=p["worker"], slot=p["slot"], round=p["round"], **fields)
+
+
+# Up to three byte writes (header fields, norm bytes, payload) or a truncation: two wrong fields at
+# once test the order of the checks, 0x7F/0x80/0xFF make negative, infinite and NaN norms.
+_pos = st.one_of(st.integers(0, HEADER_BYTES + 3), st.integers(0, 45))
+_byte = st.sampled_from([0x00, 0x01, 0x7F, 0x80, 0xFF]) | st.integers(0, 255)
+damage = st.one_of(st.none(), st.lists(st.tuples(_pos, _byte), min_size=1, max_size=3), st.integers(0, 44),
+                   st.sampled_from(["inf", "negative"]))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(packet, damage), min_size=1, max_size=24))
+def test_scalar_and_vectorized_paths_agree(items: list) -> None:
+    """Valid packets, some with one byte changed (any header field, or the norm) or cut short: the
+    packet-at-a-time validation of small batches and the vectorized one drop the same packets for the
+    same reasons and produce the same outputs."""
+    wires = []
+    for p, dmg in items:
+        w = bytearray(_wire(p))
+        if isinstance(dmg, list):
+            for pos, value in dmg:
+                w[pos % len(w)] = value
+        elif isinstance(dmg, int):
+            w = w[:dmg]
+        elif dmg == "inf":  # exponent all ones: an infinite or NaN norm (or payload byte of a DATA packet)
+            w[HEADER_BYTES] |= 0x7F
+            w[HEADER_BYTES + 1] |= 0x80
+        elif dmg == "negative":
+            w[HEADER_BYTES] |= 0x80
+        wires.append(bytes(w))
+    scalar = Aggregator([CFG], max_batch=32, scalar_below=1000)
+    vector = Aggregator([CFG], max_batch=32, scalar_below=0, group_min=1)
+    buf = np.zeros((len(wires), scalar.stride), np.uint8)
+    for i, wb in enumerate(wires):
+        buf[i, : len(wb)] = np.frombuffer(wb, np.uint8)
+    lengths = np.array([len(wb) for wb in wires])
+    got_s = scalar.process(buf, lengths)
+    out_s = sorted(zip(got_s.src[:got_s.count].tolist(), got_s.packets(), strict=True))
+    got_v = vector.process(buf, lengths)
+    out_v = sorted(zip(got_v.src[:got_v.count].tolist(), got_v.packets(), strict=True))
+    assert np.array_equal(scalar.counters, vector.counters)
+    assert out_s == out_v
+    assert np.array_equal(scalar.last_good, vector.last_good)

@@ -49,14 +49,13 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, ROUND_BITS, VERSION, PacketType
+from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, HEADER_STRUCT, ROUND_BITS, VERSION, PacketType
 from worker_lib.wire.pcap import PcapWriter
 from worker_lib.wire.serializer import build_batch, float_bits, pack_indices_np
 
 log = logging.getLogger(__name__)
 
 LossPolicy = Literal["reliable", "zero-fill"]
-_HDR = struct.Struct(">BBHIHBBHHIIHBBI")
 _ROUND_MASK = (1 << ROUND_BITS) - 1
 
 
@@ -336,7 +335,7 @@ class Transport:
                         self.stats.unexpected += 1
                         continue
                     (_v, ftyp, fjob, fkey, _t, _w, fcontrib, fslot, fround, _tensor, fchunk, felems, fwidth,
-                     _flags, _bitmap) = _HDR.unpack_from(self._rbuf)
+                     _flags, _bitmap) = HEADER_STRUCT.unpack_from(self._rbuf)
                     if fjob != p.job or fkey != p.key or fslot != slot:
                         self.stats.unexpected += 1
                         continue
@@ -464,7 +463,7 @@ class Transport:
                     if nbytes < HEADER_BYTES:
                         self.stats.unexpected += 1
                         continue
-                    f = _HDR.unpack_from(self._rbuf)
+                    f = HEADER_STRUCT.unpack_from(self._rbuf)
                     (_v, ftyp, fjob, fkey, _t, _w, fcontrib, fslot, fround, _tensor, _chunk, felems, fwidth,
                      _flags, fbitmap) = f
                     if fjob != p.job or fkey != p.key:

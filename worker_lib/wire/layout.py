@@ -10,6 +10,7 @@ one go and a Tofino register can hold it.
 from __future__ import annotations
 
 import functools
+import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -107,6 +108,8 @@ def header_dtype(itemsize: int | None = None) -> np.dtype:
 
 
 HEADER_DTYPE = header_dtype()
+#: The header as a big-endian ``struct`` format, for code that handles one packet at a time.
+HEADER_STRUCT = struct.Struct(">" + "".join({8: "B", 16: "H", 32: "I"}[f.bits] for f in FIELDS))
 
 
 def field_offsets() -> dict[str, int]:
