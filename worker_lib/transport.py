@@ -2,17 +2,8 @@
 
 ``Transport`` runs *uses* of the job's slot pool (docs/protocol.md): use u takes slot u mod S with
 that slot's next round; a sliding window keeps at most W <= S uses in flight and never starts a use
-before the previous use of its slot has finished. Per-use timeouts drive retransmission: the timeout
-adapts to the measured round trip as TCP's does (RFC 6298: SRTT + 4 RTTVAR from uses answered
-without retransmission, never below ``timeout`` nor above ``max_timeout``, doubled on every expiry
-until a use is answered without retransmission), so that a window queued behind a slow link is not
-sent again while it waits. The window itself is a congestion window (TCP's AIMD): it grows by one
-use per answer up to ``ssthresh`` and by one per window of answers beyond it, up to W, and halves
-when uses time out (at most once per round trip), so that a window of large packets does not
-overflow the queue of a slow link again and again. Both are for ``reliable``: under ``zero-fill`` the
-workers must stay in step (a chunk one worker gives up must not complete for another), so the
-timeout stays ``timeout`` and the window W. Two loss
-policies decide what a missing result means:
+before the previous use of its slot has finished. Two loss policies decide what a missing result
+means:
 
 - ``reliable``: retransmit until the result arrives (exact), or raise ``AggregatorUnreachable`` when
   nothing at all has come back for ``deadline`` seconds;
@@ -25,6 +16,15 @@ calls (numpy only, no torch); ``THCAllreduce.allreduce`` adds THC's norm stage, 
 decoding on top. ``exchange_message`` carries one whole codec message of a ``dar`` job
 (decompress-aggregate-recompress, software aggregator only) as fragments and reassembles the
 aggregator's re-encoded average.
+
+Under ``reliable`` the retransmission timeout adapts to the measured round trip as TCP's does
+(RFC 6298: SRTT + 4 RTTVAR from uses answered without retransmission, never below ``timeout`` nor
+above ``max_timeout``, doubled on every expiry until a clean sample), so that a window queued behind
+a slow link is not sent again while it waits; and the window is a congestion window (AIMD: one use
+more per answer up to ``ssthresh``, one per window of answers beyond, up to W; halved when uses time
+out, at most once per round trip), so that a window of large packets does not overflow a slow link's
+queue again and again. Under ``zero-fill`` the workers must stay in step (a chunk one worker gave up
+must not complete for another), so the timeout stays ``timeout`` and the window W.
 
 Usage::
 
@@ -100,7 +100,7 @@ class TransportConfig:
     deadline: float = 10.0  #: seconds without any answer before AggregatorUnreachable
     window: int | None = None  #: uses in flight (default and maximum: the job's slots)
     congestion_control: bool = True  #: AIMD congestion window below ``window`` (reliable policy only)
-    initial_window: int = 16  #: the congestion window's start (and its ssthresh floor of 2 below it)
+    initial_window: int = 16  #: the congestion window's first size, in uses
     drop_up: float = 0.0  #: simulated loss of sent packets (seeded, for tests and experiments)
     drop_down: float = 0.0  #: simulated loss of received packets
     seed: int = 0
