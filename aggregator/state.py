@@ -144,6 +144,10 @@ class JobState:
         self.complete = np.zeros(2 * s, bool)
         self.kind = np.zeros(2 * s, np.int64)
         self.result_dtype = np.dtype({8: ">u1", 16: ">u2", 32: ">u4"}[cfg.result_bits])
+        #: What a packet of this job must carry, as plain ints for the packet-at-a-time checks (the table
+        #: id is a hash of the table: computed once here)
+        self.key, self.table_id, self.workers, self.slots = cfg.key, cfg.table_id, cfg.workers, cfg.slots
+        self.data_format = (cfg.elems, cfg.data_width, HEADER_BYTES + cfg.data_bytes)
 
 
 @dataclass
@@ -184,7 +188,7 @@ class Aggregator:
 
     def __init__(self, jobs: Iterable[JobConfig] = (), *, shard: int = 0, shards: int = 1,
                  max_batch: int = 256, stride: int = DEFAULT_STRIDE, group_min: int = 16,
-                 scalar_below: int = 8) -> None:
+                 scalar_below: int = 32) -> None:
         if not 0 <= shard < shards:
             raise ValueError(f"shard {shard} is not in 0..{shards - 1}")
         self.shard, self.shards, self.max_batch, self.stride = shard, shards, max_batch, stride
@@ -351,26 +355,24 @@ class Aggregator:
             ver, t, j, key, table, w, _, s, r, _, _, elems, width, _, _ = unpack(buf[i])
             typ[i], job[i], worker[i], slot[i], rnd[i] = t, j, w, s, r
             js = self.jobs.get(j)
-            cfg = js.cfg if js is not None else None
             is_norm = t == _PT.NORM
             if ver != VERSION:
                 code = _CI.BAD_VERSION
             elif t != _PT.DATA and not is_norm:
                 code = _CI.BAD_TYPE
-            elif cfg is None:
+            elif js is None:
                 code = _CI.UNKNOWN_JOB
-            elif key != cfg.key:
+            elif key != js.key:
                 code = _CI.BAD_KEY
-            elif table != cfg.table_id:
+            elif table != js.table_id:
                 code = _CI.BAD_TABLE
-            elif w >= cfg.workers:
+            elif w >= js.workers:
                 code = _CI.BAD_WORKER
-            elif s >= cfg.slots:
+            elif s >= js.slots:
                 code = _CI.BAD_SLOT
             elif s % self.shards != self.shard:
                 code = _CI.WRONG_SHARD
-            elif (elems, width, length) != ((1, 32, HEADER_BYTES + 4) if is_norm else
-                                            (cfg.elems, cfg.data_width, HEADER_BYTES + cfg.data_bytes)):
+            elif (elems, width, length) != ((1, 32, HEADER_BYTES + 4) if is_norm else js.data_format):
                 code = _CI.BAD_FORMAT
             else:
                 code = 0

@@ -79,20 +79,25 @@ packet = st.fixed_dictionaries({
 })
 
 
+# The aggregator's paths: packet-at-a-time checks and state table; vectorized checks, then slot groups
+# wherever possible; vectorized checks with the state table packet by packet.
+PATHS = [{"scalar_below": 1000}, {"scalar_below": 0, "group_min": 1}, {"scalar_below": 0, "group_min": 1000}]
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(packet, min_size=1, max_size=40), st.integers(1, 16), st.sampled_from([2, 3]), st.sampled_from([1, 16]))
-def test_hostile_sequences_match_naive_model(pkts: list[dict], batch: int, threshold: int, group_min: int) -> None:
+@given(st.lists(packet, min_size=1, max_size=40), st.integers(1, 16), st.sampled_from([2, 3]), st.sampled_from(PATHS))
+def test_hostile_sequences_match_naive_model(pkts: list[dict], batch: int, threshold: int, path: dict) -> None:
     """Valid packets in any order (duplicates, old and new rounds, wraparound, mixed kinds), processed
     in batches of any size, under a partial and a full threshold, produce exactly the model's packets
-    (each caused by the same packet as in the model), whether slot groups or single packets are applied."""
-    _check_against_model(pkts, batch, threshold, group_min)
+    (each caused by the same packet as in the model), whichever path the aggregator takes."""
+    _check_against_model(pkts, batch, threshold, path)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 2**32 - 1), st.integers(1, 16), st.sampled_from([2, 3]), st.floats(0, 0.3),
-       st.sampled_from([1, 16]))
+       st.sampled_from(PATHS))
 def test_workerlike_traffic_matches_naive_model(seed: int, batch: int, threshold: int, mess: float,
-                                                group_min: int) -> None:
+                                                path: dict) -> None:
     """Traffic shaped like real workers' (every worker sends every slot of successive rounds, norms
     first, near wraparound), locally reordered, with a fraction ``mess`` of packets dropped or
     duplicated: the common case the aggregator takes in whole-slot groups, and its edges."""
@@ -109,11 +114,11 @@ def test_workerlike_traffic_matches_naive_model(seed: int, batch: int, threshold
                     continue
                 pkts.extend([p, p] if u < mess else [p])
     order = np.argsort(np.arange(len(pkts)) + rng.uniform(0, 4, len(pkts)))  # local reordering
-    _check_against_model([pkts[i] for i in order], batch, threshold, group_min)
+    _check_against_model([pkts[i] for i in order], batch, threshold, path)
 
 
-def _check_against_model(pkts: list[dict], batch: int, threshold: int, group_min: int) -> None:
-    agg = Aggregator([dataclasses.replace(CFG, threshold=threshold)], max_batch=16, group_min=group_min)
+def _check_against_model(pkts: list[dict], batch: int, threshold: int, path: dict) -> None:
+    agg = Aggregator([dataclasses.replace(CFG, threshold=threshold)], max_batch=16, **path)
     model: dict = {}
     wires = []
     for p in pkts:
