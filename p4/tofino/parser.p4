@@ -3,8 +3,8 @@
 // Why a Tofino-specific file: a TNA ingress parser must first take the intrinsic metadata and skip the
 // port metadata, and this program carries a bridge header (plus the looked-up values) in front of
 // Ethernet, from ingress to egress and, for recirculated packets, from pass 1 to pass 2. After that
-// prefix both parsers run the shared ThcHeaderParser (p4/include/thc_parser.p4), so the THC header and
-// payloads are parsed exactly as on BMv2.
+// prefix the ingress parser runs the shared ThcHeaderParser (p4/include/thc_parser.p4), so the THC
+// header and payloads are parsed exactly as on BMv2; the egress parser stops after the THC header.
 #ifndef THC_TOFINO_PARSER_P4_
 #define THC_TOFINO_PARSER_P4_
 
@@ -47,10 +47,12 @@ control ThcIngressDeparser(packet_out pkt, inout thc_headers_t hdr, in thc_metad
     }
 }
 
+// Egress reads and rewrites only Ethernet, IPv4, UDP and the THC header (addresses of multicast
+// replicas, learnt sender addresses) and removes the bridge and values headers; the payload (DATA
+// indices, norm, RESULT sums) passes through unparsed. Parsing it too made the longest egress path 180
+// bytes, over Tofino 1's 160-byte parse depth (bf-p4c: "exceeds maximum parse depth").
 parser ThcEgressParser(packet_in pkt, out thc_headers_t hdr, out thc_egress_metadata_t meta,
                        out egress_intrinsic_metadata_t eg_intr_md) {
-    ThcHeaderParser() thc_parser;
-
     state start {
         pkt.extract(eg_intr_md);
         meta = {0, 0, 0, 0};
@@ -65,7 +67,28 @@ parser ThcEgressParser(packet_in pkt, out thc_headers_t hdr, out thc_egress_meta
         transition parse_packet;
     }
     state parse_packet {
-        thc_parser.apply(pkt, hdr);
+        pkt.extract(hdr.ethernet);
+        transition select(hdr.ethernet.etherType) {
+            ETHERTYPE_IPV4: parse_ipv4;
+            default: accept;
+        }
+    }
+    state parse_ipv4 {
+        pkt.extract(hdr.ipv4);
+        transition select(hdr.ipv4.ihl, hdr.ipv4.fragOffset, hdr.ipv4.protocol) {
+            (5, 0, IPPROTO_UDP): parse_udp;
+            default: accept;
+        }
+    }
+    state parse_udp {
+        pkt.extract(hdr.udp);
+        transition select(hdr.udp.dstPort) {
+            THC_UDP_PORT: parse_thc;
+            default: accept;
+        }
+    }
+    state parse_thc {
+        pkt.extract(hdr.thc);
         transition accept;
     }
 }

@@ -47,19 +47,19 @@ const bit<32> THC_BANKS = 2 * THC_SLOTS;
 const bit<32> THC_WORKER_ENTRIES = THC_JOBS * THC_MAX_WORKERS;
 
 // Decisions carried from pass 1 to egress and pass 2.
-const bit<8> OP_NONE = 0;       // no register of pass 2 is touched
-const bit<8> OP_SET = 1;        // FRESH / NEWER: overwrite the bank with this packet
-const bit<8> OP_ADD = 2;        // ACTIVE, new contributor: add (norm: max)
-const bit<8> OP_READ = 3;       // COMPLETE: read the retained result
+const bit<4> OP_NONE = 0;       // no register of pass 2 is touched
+const bit<4> OP_SET = 1;        // FRESH / NEWER: overwrite the bank with this packet
+const bit<4> OP_ADD = 2;        // ACTIVE, new contributor: add (norm: max)
+const bit<4> OP_READ = 3;       // COMPLETE: read the retained result
 
-const bit<8> EMIT_NONE = 0;
-const bit<8> EMIT_MULTICAST = 1;  // completion: to every (known) worker of the job
-const bit<8> EMIT_RETAINED = 2;   // retained result, unicast to the sender
-const bit<8> EMIT_STRAGGLER = 3;  // straggler notice, unicast to the sender
+const bit<4> EMIT_NONE = 0;
+const bit<4> EMIT_MULTICAST = 1;  // completion: to every (known) worker of the job
+const bit<4> EMIT_RETAINED = 2;   // retained result, unicast to the sender
+const bit<4> EMIT_STRAGGLER = 3;  // straggler notice, unicast to the sender
 
-const bit<8> PHASE_FORWARD = 0;   // plain IPv4 forwarding
-const bit<8> PHASE_RECIRC = 1;    // pass 1 done, on its way to pass 2
-const bit<8> PHASE_ANSWER = 2;    // an answer (or a learn-only packet that egress drops)
+const bit<4> PHASE_FORWARD = 0;   // plain IPv4 forwarding
+const bit<4> PHASE_RECIRC = 1;    // pass 1 done, on its way to pass 2
+const bit<4> PHASE_ANSWER = 2;    // an answer (or a learn-only packet that egress drops)
 
 // ---- payload headers (generated: K fields each) ----
 // DATA payload: K b-bit table indices, MSB-first (index 0 in the top bits of byte 0).
@@ -172,15 +172,17 @@ header thc_result_h {
 
 // Ingress -> egress (every packet) and pass 1 -> pass 2 (recirculated packets, before Ethernet).
 header thc_bridge_h {
-    bit<8> phase;
-    bit<8> op;
-    bit<8> emit;
-    bit<8> completed;      // 1: this packet completed the round
-    bit<8> learn;          // 1: egress learns the sender's address (every valid request, once)
-    bit<8> fanout;         // 1: a multicast replica, rewritten in egress
+    // Small fields packed: the bridge, the values and the headers up to THC's must fit the egress
+    // parser's 160-byte depth on Tofino 1.
+    bit<4> phase;
+    bit<4> op;
+    bit<4> emit;
+    bit<1> completed;      // 1: this packet completed the round
+    bit<1> learn;          // 1: egress learns the sender's address (every valid request, once)
+    bit<1> fanout;         // 1: a multicast replica, rewritten in egress
+    bit<1> has_values;     // 1: a thc_values_h follows
     bit<8> kind;           // THC_TYPE_DATA or THC_TYPE_NORM
     bit<8> count;          // contributors after this packet
-    bit<8> has_values;     // 1: a thc_values_h follows
     bit<7> pad0;
     PortId_t in_port;      // the request's front-panel port (unicast answers go back there)
     bit<16> job_index;
@@ -1028,7 +1030,7 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
     apply {
         if (hdr.bridge.isValid()) {
             // ======================== PASS 2 (recirculated) ========================
-            bit<8> op = hdr.bridge.op;
+            bit<4> op = hdr.bridge.op;
             bit<32> bank = hdr.bridge.bank;
             bit<32> bmap = hdr.bridge.bitmap;
             bit<32> bnorm = 0;
