@@ -35,6 +35,24 @@ def job_spec(cfg: JobConfig) -> str:
     return ",".join(f"{k}={':'.join(map(str, v)) if isinstance(v, list) else v}" for k, v in cfg.to_dict().items())
 
 
+def listening_port(line: str) -> int:
+    """The data port announced by thc-aggregator's first line ("thc-aggregator listening on HOST:PORT ...")."""
+    if "listening on " not in line:
+        raise ValueError(f"not thc-aggregator's start line: {line!r}")
+    return int(line.split("listening on ", 1)[1].split()[0].rsplit(":", 1)[1])
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """Terminate ``proc`` and wait for it; kill it if it does not exit within ``timeout`` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)
+
+
 @contextlib.contextmanager
 def local_aggregator(jobs: Sequence[JobConfig], *, host: str = "127.0.0.1", shards: int = 1,
                      multicast: bool = False, pcap: Path | None = None,
@@ -57,13 +75,8 @@ def local_aggregator(jobs: Sequence[JobConfig], *, host: str = "127.0.0.1", shar
             err = proc.stderr.read() if proc.stderr else ""
             raise RuntimeError(f"thc-aggregator did not start within {timeout:.0f} s (exit code {proc.poll()}): "
                                f"{line.strip()} {err.strip()}")
-        port = int(line.split()[3].rsplit(":", 1)[1])
+        port = listening_port(line)
         log.info("started thc-aggregator on %s:%d (pid %d)", host, port, proc.pid)
         yield host, port
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc)

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aggregator.io import BatchSocket, sockaddr_in, udp_socket
 from aggregator.jobs import JobConfig
+from aggregator.launch import listening_port
 from aggregator.state import DEFAULT_STRIDE
 from worker_lib.wire import build_batch, pack_indices_np
 
@@ -133,7 +134,7 @@ def measure(target: str, cfg: JobConfig, seconds: float, shards: int = 1, window
             spec = ",".join(f"{k}={v}" for k, v in cfg.to_dict().items())
             proc = subprocess.Popen([sys.executable, "-m", "aggregator.cli", "--port", "0", "--shards", str(shards),
                                      "--job", spec], stdout=subprocess.PIPE, text=True)
-            port = int(proc.stdout.readline().split()[3].rsplit(":", 1)[1])
+            port = listening_port(proc.stdout.readline())
         gen = ctx.Process(target=generator, args=(port, shards, cfg, seconds, window, out))
         gen.start()
         res = out.get(timeout=seconds + 30)

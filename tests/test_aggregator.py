@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from aggregator.jobs import JobConfig, JobConfigError, load_jobs, parse_job_spec
+from aggregator.launch import listening_port, stop_process
 from worker_lib.thc import lookup_sum
 from worker_lib.transport import JobParams, Transport, TransportConfig
 from worker_lib.wire import PacketType, build_packet, parse_packet
@@ -35,15 +36,9 @@ def aggregator(*args: str) -> Iterator[tuple[subprocess.Popen, int]]:
         line = proc.stdout.readline()
         assert "listening on" in line, line + proc.stderr.read()
         proc.first_line = line  # type: ignore[attr-defined]
-        yield proc, int(line.split()[3].rsplit(":", 1)[1])
+        yield proc, listening_port(line)
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        stop_process(proc, timeout=5)
 
 
 def free_tcp_port() -> int:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from aggregator.launch import listening_port, stop_process
 from worker_lib.wire import PacketType, parse_packet
 from worker_lib.wire.pcap import read_pcap
 
@@ -56,7 +57,7 @@ def test_against_a_running_aggregator_default_job(tmp_path: Path) -> None:
                             text=True)
     try:
         line = proc.stdout.readline()
-        port = int(line.split()[3].rsplit(":", 1)[1])
+        port = listening_port(line)
         s = allreduce("--aggregator", f"127.0.0.1:{port}", "--dim", "20000", "--steps", "2",
                       "--pcap", str(tmp_path / "run.pcap"))
         assert s["exact"] is True and s["aggregator"] == f"127.0.0.1:{port}" and s["steps"] == 2
@@ -76,8 +77,7 @@ def test_against_a_running_aggregator_default_job(tmp_path: Path) -> None:
         # Every datagram a worker sent or accepted is in its capture (late duplicates count as unexpected).
         assert sent == s["packets_sent"] and received == s["results"] + s["stragglers"] + s["unexpected"]
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        stop_process(proc)
 
 
 def test_summary_and_help() -> None:

@@ -25,6 +25,7 @@ import torch
 
 from aggregator.dar import DarAggregator, DarCounter
 from aggregator.jobs import JobConfig, JobConfigError, load_jobs, parse_job_spec
+from aggregator.launch import listening_port, stop_process
 from aggregator.state import Aggregator, Counter
 from worker_lib.codecs import Message, RoundContext, make_codec
 from worker_lib.transport import AggregatorUnreachable, JobParams, MessageResult, Transport, TransportConfig
@@ -56,17 +57,11 @@ def aggregator(*args: str) -> Iterator[tuple[subprocess.Popen, int, int]]:
     try:
         line = proc.stdout.readline()
         assert "listening on" in line, line + proc.stderr.read()
-        port = int(line.split()[3].rsplit(":", 1)[1])
+        port = listening_port(line)
         ctrl = int(line.split("control=")[1].split()[0].rsplit(":", 1)[1])
         yield proc, port, ctrl
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        stop_process(proc, timeout=5)
 
 
 def control(port: int, command: str) -> str:

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from aggregator.jobs import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig
+from aggregator.launch import job_spec, listening_port
 from worker_lib.ddp import DEFAULT_JOB, DDPHookConfig, THCHookState
 from worker_lib.ddp import DEFAULT_KEY as HOOK_DEFAULT_KEY
 
@@ -104,15 +105,14 @@ def _start_aggregator(*jobs: JobConfig) -> tuple[subprocess.Popen, int]:
     """thc-aggregator serving ``jobs`` on a free loopback port, in its own process group."""
     cmd = [sys.executable, "-m", "aggregator.cli", "--port", "0"]
     for job in jobs:
-        cmd += ["--job", ",".join(f"{k}={':'.join(map(str, v)) if isinstance(v, list) else v}"
-                                  for k, v in job.to_dict().items())]
+        cmd += ["--job", job_spec(job)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
     ready, _, _ = select.select([proc.stdout], [], [], 60)
     line = proc.stdout.readline() if ready and proc.stdout else ""
     if "listening on" not in line:
         _kill_group(proc)
         raise RuntimeError(f"thc-aggregator did not start: {line!r}")
-    return proc, int(line.split()[3].rsplit(":", 1)[1])
+    return proc, listening_port(line)
 
 
 def test_killed_aggregator_fails_clearly(tmp_path: Path) -> None:
