@@ -22,9 +22,9 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
-from worker_lib.wire.codegen import fill_markers, write_or_check
-from worker_lib.wire.layout import MAX_WORKERS, RESULT_WIDTHS
+from worker_lib.wire.codegen import P4Geometry, fill_markers, write_or_check
 
 HERE = Path(__file__).resolve().parent
 TEMPLATE = HERE / "tofino" / "thc.p4.in"
@@ -42,76 +42,34 @@ MAX_ELEMS = 32  # the largest multiple of 8 <= SALUS_PER_PIPE - STATE_SALUS (= 3
 
 
 @dataclass(frozen=True)
-class TofinoGeometry:
-    """Compile-time constants of the Tofino program.
+class TofinoGeometry(P4Geometry):
+    """Compile-time constants of the Tofino program: the shared fields of ``P4Geometry`` (K at most 32:
+    one stateful ALU per sum, see MAX_ELEMS; at most 65536 slots) and recirc_port, the recirculation
+    port of the pipe the workers are on (68 on pipe 0 of a Tofino 1)."""
 
-    elems: K, indices per DATA packet (a multiple of 8, at most 32: one stateful ALU per sum, see
-    MAX_ELEMS); bits: b (1..8); result_bits: width of a sum register and RESULT element (8 or 16; a
-    Tofino register cell is 8, 16 or 32 bits); slots: slots of all jobs; jobs: jobs configured at once
-    (rows of 32 workers: replication ids are job_index * 32 + worker, 16 bits); recirc_port: the
-    recirculation port of the pipe the workers are on (68 on pipe 0 of a Tofino 1).
-    """
-
-    elems: int = 32
-    bits: int = 4
-    result_bits: int = 8
     slots: int = 4096
-    jobs: int = 8
     recirc_port: int = 68
 
+    MAX_ELEMS: ClassVar[int] = MAX_ELEMS
+    ELEMS_WHY: ClassVar[str] = f"one stateful ALU per sum: {SALUS_PER_PIPE} per pipe, {STATE_SALUS} for the state"
+    MAX_SLOTS: ClassVar[int] = 1 << 16
+
     def __post_init__(self) -> None:
-        if self.elems < 8 or self.elems % 8 or self.elems > MAX_ELEMS:
-            raise ValueError(f"elems (K) must be a multiple of 8 in 8..{MAX_ELEMS} (one stateful ALU per sum: "
-                             f"{SALUS_PER_PIPE} per pipe, {STATE_SALUS} for the state), got {self.elems}")
-        if not 1 <= self.bits <= 8:
-            raise ValueError(f"bits (b) must be in 1..8, got {self.bits}")
-        if self.result_bits not in RESULT_WIDTHS or self.result_bits == 32:
-            raise ValueError(f"result_bits must be 8 or 16 for THC jobs, got {self.result_bits}")
-        if not 1 <= self.slots <= 1 << 16:
-            raise ValueError(f"slots must be in 1..65536, got {self.slots}")
-        if not 1 <= self.jobs <= (1 << 16) // MAX_WORKERS:
-            raise ValueError(f"jobs must be in 1..{(1 << 16) // MAX_WORKERS} (replication ids are 16 bits), "
-                             f"got {self.jobs}")
+        super().__post_init__()
         if not 0 <= self.recirc_port < 512:
             raise ValueError(f"recirc_port must be a 9-bit port number, got {self.recirc_port}")
 
-    @property
-    def data_bytes(self) -> int:
-        """DATA payload bytes: K * b / 8."""
-        return self.elems * self.bits // 8
-
-    @property
-    def result_bytes(self) -> int:
-        """RESULT payload bytes: K * result width / 8."""
-        return self.elems * self.result_bits // 8
-
 
 def _config(g: TofinoGeometry) -> str:
-    return "\n".join([
-        f"const bit<32> THC_K = {g.elems};              // elements per packet",
-        f"const bit<16> THC_K16 = {g.elems};",
-        f"const bit<8> THC_INDEX_BITS = {g.bits};        // b",
-        f"#define THC_RESULT_BITS {g.result_bits}           // width of a sum",
-        f"const bit<16> THC_DATA_BYTES = {g.data_bytes};    // K * b / 8",
-        f"const bit<16> THC_RESULT_BYTES = {g.result_bytes};  // K * result width / 8",
-        f"const bit<32> THC_SLOTS = {g.slots};          // slots of all jobs together",
-        f"const bit<32> THC_JOBS = {g.jobs};               // jobs configured at once",
-        f"const PortId_t THC_RECIRC_PORT = {g.recirc_port};     // recirculation port of the workers' pipe",
-    ])
+    return g.config_lines(extra=[
+        f"const PortId_t THC_RECIRC_PORT = {g.recirc_port};     // recirculation port of the workers' pipe"])
 
 
 def _payload_headers(g: TofinoGeometry) -> str:
-    data = [f"    bit<{g.bits}> i{e};" for e in range(g.elems)]
     vals = [f"    bit<THC_RESULT_BITS> v{e};" for e in range(g.elems)]
-    res = [f"    bit<THC_RESULT_BITS> s{e};" for e in range(g.elems)]
-    return "\n".join([
-        "// DATA payload: K b-bit table indices, MSB-first (index 0 in the top bits of byte 0).",
-        "header thc_data_h {", *data, "}", "",
+    return g.payload_headers(between=[
         "// T[index] of every element, looked up in pass 1 and carried to pass 2 (recirculation).",
-        "header thc_values_h {", *vals, "}", "",
-        "// RESULT payload: K unsigned sums, big-endian.",
-        "header thc_result_h {", *res, "}",
-    ])
+        "header thc_values_h {", *vals, "}", ""])
 
 
 def _sum_registers(g: TofinoGeometry) -> str:
@@ -165,17 +123,13 @@ def _sum_apply(g: TofinoGeometry) -> str:
     return "\n".join(out)
 
 
-def _lookup_apply(g: TofinoGeometry) -> str:
-    return "\n".join(f"lookup_{e}.apply();" for e in range(g.elems))
-
-
 def render(geometry: TofinoGeometry | None = None, template: str | None = None) -> str:
     """The program text for ``geometry`` (defaults: ``TofinoGeometry()``)."""
     g = geometry or TofinoGeometry()
     text = TEMPLATE.read_text() if template is None else template
     parts = {"@CONFIG@": _config(g), "@PAYLOAD_HEADERS@": _payload_headers(g),
              "@SUM_REGISTERS@": _sum_registers(g), "@LOOKUP_TABLES@": _lookup_tables(g),
-             "@SUM_APPLY@": _sum_apply(g), "@LOOKUP_APPLY@": _lookup_apply(g)}
+             "@SUM_APPLY@": _sum_apply(g), "@LOOKUP_APPLY@": g.lookup_apply()}
     text = fill_markers(text, parts)
     header = (f"// GENERATED by p4/gen_tofino.py from p4/tofino/thc.p4.in for K={g.elems}, b={g.bits}, "
               f"result_bits={g.result_bits}, slots={g.slots}, jobs={g.jobs}, recirc_port={g.recirc_port}. "
@@ -187,13 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point: render, write or check the program."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    TofinoGeometry.add_arguments(ap)
     d = TofinoGeometry()
-    ap.add_argument("--elems", type=int, default=d.elems, help=f"K, indices per packet (default {d.elems})")
-    ap.add_argument("--bits", type=int, default=d.bits, help=f"b, bits per index (default {d.bits})")
-    ap.add_argument("--result-bits", type=int, default=d.result_bits, choices=(8, 16),
-                    help=f"width of a sum (default {d.result_bits})")
-    ap.add_argument("--slots", type=int, default=d.slots, help=f"slots of all jobs (default {d.slots})")
-    ap.add_argument("--jobs", type=int, default=d.jobs, help=f"jobs configured at once (default {d.jobs})")
     ap.add_argument("--recirc-port", type=int, default=d.recirc_port,
                     help=f"recirculation port (default {d.recirc_port}: pipe 0 of a Tofino 1)")
     ap.add_argument("--output", type=Path, default=OUTPUT, help=f"where to write (default {OUTPUT})")
