@@ -332,7 +332,7 @@ class Aggregator:
             if rest.size:
                 slow.append(rest)
         if slow:
-            rows = np.sort(np.concatenate(slow)) if len(slow) > 1 else np.sort(slow[0])
+            rows = np.sort(np.concatenate(slow))
             self._apply(buf, rows.tolist(), typ.tolist(), job.tolist(), worker.tolist(), slot.tolist(),
                         rnd.tolist(), norm_bits.tolist(), row_pos.tolist(), values)
             self._flush_payloads()
