@@ -7,9 +7,9 @@ table per element (a table is applied at most once per pass) and one sum registe
 register is accessed by at most one RegisterAction per pass on Tofino). Everything else lives in the
 hand-written template p4/tofino/thc.p4.in; only the lines at its ``@...@`` markers come from here.
 
-The checked-in p4/tofino/thc.p4 is rendered with the defaults of ``TofinoGeometry`` (K = 32 indices of 4
+The checked-in p4/tofino/thc.p4 is rendered with the defaults of ``TofinoGeometry`` (K = 24 indices of 4
 bits, 8-bit sums, 4096 slots, 8 jobs, recirculation port 68); tests/test_p4_tofino.py checks that it is
-what this script writes now. p4/tofino/README.md explains the limits (why K <= 32 per pass)::
+what this script writes now. p4/tofino/README.md explains the limits (why K <= 24)::
 
     python p4/gen_tofino.py                                  # rewrite p4/tofino/thc.p4 (defaults)
     python p4/gen_tofino.py --elems 16 --result-bits 16 --output /tmp/thc16.p4
@@ -25,20 +25,25 @@ from pathlib import Path
 from typing import ClassVar
 
 from worker_lib.wire.codegen import P4Geometry, fill_markers, write_or_check
+from worker_lib.wire.layout import HEADER_BYTES, VERSION, PacketType
 
 HERE = Path(__file__).resolve().parent
 TEMPLATE = HERE / "tofino" / "thc.p4.in"
 OUTPUT = HERE / "tofino" / "thc.p4"
 INCLUDE_DIR = HERE / "include"
 MARKERS = ("@CONFIG@", "@PAYLOAD_HEADERS@", "@SUM_REGISTERS@", "@LOOKUP_TABLES@", "@SUM_APPLY@",
-           "@LOOKUP_APPLY@")
+           "@LOOKUP_APPLY@", "@WORKER_BIT_ENTRIES@", "@VALIDATE_KEYS@", "@VALIDATE_ENTRIES@",
+           "@VALIDATE_SIZE@")
 
-# Stateful ALUs of one Tofino 1 pipe (12 MAU stages x 4; public figure) minus what the program's state
-# needs besides the sums: pass 1 slot, tag, seen bitmap, count; pass 2 norm, result bitmap; egress
-# worker ip, port, mac hi, mac lo. See p4/tofino/README.md.
+# Stateful ALUs of one Tofino 1 pipe (12 MAU stages x 4; public figure) and what the program's state needs
+# besides the sums: pass 1 slot, tag, seen bitmap, count; pass 2 norm, result bitmap; egress worker ip,
+# port + mac hi, mac lo. The ALUs would allow K = 32 sums, but the stages do not: bf-p4c 9.13.4 places
+# K = 24 in Tofino 1's 12 stages and K = 32 needs 14 (the sums wait for the lookups, and the lookups for
+# free logical tables). See p4/tofino/README.md.
 SALUS_PER_PIPE = 12 * 4
-STATE_SALUS = 4 + 2 + 4
-MAX_ELEMS = 32  # the largest multiple of 8 <= SALUS_PER_PIPE - STATE_SALUS (= 38)
+STATE_SALUS = 4 + 2 + 3
+MAX_ELEMS = 24
+MAX_WORKERS = 32  # one 32-bit bitmap cell per bank
 
 
 @dataclass(frozen=True)
@@ -47,11 +52,12 @@ class TofinoGeometry(P4Geometry):
     one stateful ALU per sum, see MAX_ELEMS; at most 65536 slots) and recirc_port, the recirculation
     port of the pipe the workers are on (68 on pipe 0 of a Tofino 1)."""
 
+    elems: int = MAX_ELEMS
     slots: int = 4096
     recirc_port: int = 68
 
     MAX_ELEMS: ClassVar[int] = MAX_ELEMS
-    ELEMS_WHY: ClassVar[str] = f"one stateful ALU per sum: {SALUS_PER_PIPE} per pipe, {STATE_SALUS} for the state"
+    ELEMS_WHY: ClassVar[str] = "the largest K that bf-p4c fits into Tofino 1's 12 stages"
     MAX_SLOTS: ClassVar[int] = 1 << 16
 
     def __post_init__(self) -> None:
@@ -66,26 +72,26 @@ def _config(g: TofinoGeometry) -> str:
 
 
 def _payload_headers(g: TofinoGeometry) -> str:
-    vals = [f"    bit<THC_RESULT_BITS> v{e};" for e in range(g.elems)]
-    return g.payload_headers(between=[
-        "// T[index] of every element, looked up in pass 1 and carried to pass 2 (recirculation).",
-        "header thc_values_h {", *vals, "}", ""])
+    return g.payload_headers()
 
 
 def _sum_registers(g: TofinoGeometry) -> str:
+    # One RegisterAction per register (see the template): overwrite for OP_SET, else add; the new value
+    # is the sum (a retained read adds the 0 that zero_result() put in the field).
     out = []
     for e in range(g.elems):
         t = "bit<THC_RESULT_BITS>"
         out += [
             f"Register<{t}, bit<32>>(THC_BANKS) sums_{e};",
-            f"RegisterAction<{t}, bit<32>, {t}>(sums_{e}) sum_set_{e} = {{",
-            f"    void apply(inout {t} v, out {t} rv) {{ v = hdr.values.v{e}; rv = hdr.values.v{e}; }}",
-            "};",
-            f"RegisterAction<{t}, bit<32>, {t}>(sums_{e}) sum_add_{e} = {{",
-            f"    void apply(inout {t} v, out {t} rv) {{ v = v + hdr.values.v{e}; rv = v; }}",
-            "};",
-            f"RegisterAction<{t}, bit<32>, {t}>(sums_{e}) sum_get_{e} = {{",
-            f"    void apply(inout {t} v, out {t} rv) {{ rv = v; }}",
+            f"RegisterAction<{t}, bit<32>, {t}>(sums_{e}) sum_{e} = {{",
+            f"    void apply(inout {t} v, out {t} rv) {{",
+            "        if (hdr.bridge.op == OP_SET) {",
+            f"            v = hdr.result.s{e};",
+            "        } else {",
+            f"            v = v + hdr.result.s{e};",
+            "        }",
+            "        rv = v;",
+            "    }",
             "};",
         ]
     return "\n".join(out)
@@ -96,10 +102,10 @@ def _lookup_tables(g: TofinoGeometry) -> str:
     for e in range(g.elems):
         out += [
             f"action value_{e}(bit<THC_RESULT_BITS> v) {{",
-            f"    hdr.values.v{e} = v;",
+            f"    hdr.result.s{e} = v;",
             "}",
             f"table lookup_{e} {{",
-            f"    key = {{ meta.job_index: exact; hdr.data.i{e}: exact; }}",
+            f"    key = {{ hdr.bridge.job_index: ternary; hdr.data.i{e}: ternary; }}",
             f"    actions = {{ value_{e}; }}",
             f"    size = {g.jobs << g.bits};",
             f"    default_action = value_{e}(0);",
@@ -108,19 +114,121 @@ def _lookup_tables(g: TofinoGeometry) -> str:
     return "\n".join(out)
 
 
+def _worker_bit_entries() -> str:
+    # Tofino shifts only by constants, so 1 << worker is a constant table.
+    return "\n".join(f"{w} : set_wbit(32w0x{1 << w:08x});" for w in range(MAX_WORKERS))
+
+
+# ---- validation as one TCAM table ----
+# The protocol's checks (docs/protocol.md, in order), each as a TCAM pattern: a check either has a FAIL
+# pattern (the failure is an equality, e.g. workers_left == 0) or only PASS patterns (the pass is an
+# equality, e.g. version == 1; a disjunction gives several patterns). Fields not named are wildcards.
+# Why one table: as a chain of ifs, every branch became a table of its own, and Tofino 1 has 16 logical
+# tables per stage, which the lookups need.
+VALIDATE_KEYS = (  # (name used in patterns, P4 key expression)
+    ("thc_valid", "hdr.thc.isValid()"), ("udp_short", "meta.udp_short"), ("version", "hdr.thc.version"),
+    ("type", "hdr.thc.type_"), ("job_hit", "meta.job_hit"), ("key_diff", "meta.key_diff"),
+    ("table_diff", "meta.table_diff"), ("workers_left", "meta.workers_left"), ("slots_left", "meta.slots_left"),
+    ("data_valid", "hdr.data.isValid()"), ("norm_valid", "hdr.norm.isValid()"), ("elems", "hdr.thc.elems"),
+    ("width", "hdr.thc.width"), ("udp_length", "hdr.udp.length"), ("norm_sign_exp", "hdr.norm.value[31:23]"),
+)
+Pattern = dict  # key name -> (value, mask); a bool key -> True/False
+
+
+@dataclass(frozen=True)
+class Check:
+    """One validation check: its counter, and FAIL patterns or PASS patterns (exactly one of the two)."""
+
+    counter: str
+    fail: tuple[Pattern, ...] = ()
+    passes: tuple[Pattern, ...] = ()
+
+
+def validation_checks(g: TofinoGeometry) -> tuple[Check, ...]:
+    """The checks of docs/protocol.md in their order, for the program of geometry ``g``."""
+    full16, full32 = 0xFFFF, 0xFFFFFFFF
+    data_t, norm_t = int(PacketType.DATA), int(PacketType.NORM)
+    udp_thc = 8 + HEADER_BYTES
+    data = {"type": (data_t, 0xFF), "data_valid": True, "elems": (g.elems, full16), "width": (g.bits, 0xFF),
+            "udp_length": (udp_thc + g.data_bytes, full16)}
+    norm = {"type": (norm_t, 0xFF), "norm_valid": True, "elems": (1, full16), "width": (32, 0xFF),
+            "udp_length": (udp_thc + 4, full16)}
+    assert data_t ^ norm_t == 2, "the type check below assumes DATA and NORM differ in bit 1 only"
+    return (
+        Check("THC_CTR_SHORT", fail=({"thc_valid": False},)),
+        Check("THC_CTR_SHORT", passes=({"udp_short": (0, full16)},)),
+        Check("THC_CTR_BAD_VERSION", passes=({"version": (VERSION, 0xFF)},)),
+        Check("THC_CTR_BAD_TYPE", passes=({"type": (data_t, 0xFF ^ 2)},)),
+        Check("THC_CTR_UNKNOWN_JOB", fail=({"job_hit": (0, 0xFF)},)),
+        Check("THC_CTR_BAD_KEY", passes=({"key_diff": (0, full32)},)),
+        Check("THC_CTR_BAD_TABLE", passes=({"table_diff": (0, full16)},)),
+        Check("THC_CTR_BAD_WORKER", fail=({"workers_left": (0, 0xFF)},)),
+        Check("THC_CTR_BAD_SLOT", fail=({"slots_left": (0, full16)},)),
+        Check("THC_CTR_BAD_FORMAT", passes=(data, norm)),
+        # NORM only: sign bit set, or exponent all ones.
+        Check("THC_CTR_BAD_NORM", fail=({"type": (norm_t, 0xFF), "norm_sign_exp": (0x100, 0x100)},
+                                        {"type": (norm_t, 0xFF), "norm_sign_exp": (0xFF, 0xFF)})),
+    )
+
+
+def validation_entries(checks: tuple[Check, ...]) -> list[tuple[Pattern, str | None]]:
+    """Priority-ordered TCAM entries (pattern, counter; None: valid) whose first match is the first
+    failing check. A FAIL pattern goes before the entries of the later checks; a check with only PASS
+    patterns is conjoined into every later entry, followed by a catch-all for its counter."""
+    if not checks:
+        return [({}, None)]
+    head, rest = checks[0], validation_entries(checks[1:])
+    if head.fail:
+        return [(dict(p), head.counter) for p in head.fail] + rest
+    out: list[tuple[Pattern, str | None]] = []
+    for p in head.passes:
+        for pat, counter in rest:
+            merged = _conjoin(p, pat)
+            if merged is not None:
+                out.append((merged, counter))
+    return [*out, ({}, head.counter)]
+
+
+def _conjoin(a: Pattern, b: Pattern) -> Pattern | None:
+    """The pattern matching what both match, or None where no key can (ternary: value/mask pairs)."""
+    out = dict(a)
+    for k, v in b.items():
+        if k not in out:
+            out[k] = v
+        elif isinstance(v, bool) or isinstance(out[k], bool):
+            if out[k] != v:
+                return None
+        else:
+            (v1, m1), (v2, m2) = out[k], v
+            if (v1 ^ v2) & m1 & m2:
+                return None
+            out[k] = ((v1 & m1) | (v2 & m2), m1 | m2)
+    return out
+
+
+def _validate_entries(g: TofinoGeometry) -> str:
+    lines = []
+    for pat, counter in validation_entries(validation_checks(g)):
+        cells = []
+        for name, _ in VALIDATE_KEYS:
+            v = pat.get(name)
+            if v is None:
+                cells.append("_")
+            elif isinstance(v, bool):
+                cells.append("true" if v else "false")
+            else:
+                cells.append(f"{v[0]:#x} &&& {v[1]:#x}")
+        action = "validated()" if counter is None else f"reject({counter})"
+        lines.append(f"({', '.join(cells)}) : {action};")
+    return "\n".join(lines)
+
+
+def _validate_keys() -> str:
+    return "\n".join(f"{expr}: ternary;" for _, expr in VALIDATE_KEYS)
+
+
 def _sum_apply(g: TofinoGeometry) -> str:
-    out = []
-    for e in range(g.elems):
-        out += [
-            "if (op == OP_SET) {",
-            f"    hdr.result.s{e} = sum_set_{e}.execute(bank);",
-            "} else if (op == OP_ADD) {",
-            f"    hdr.result.s{e} = sum_add_{e}.execute(bank);",
-            "} else {",
-            f"    hdr.result.s{e} = sum_get_{e}.execute(bank);",
-            "}",
-        ]
-    return "\n".join(out)
+    return "\n".join(f"hdr.result.s{e} = sum_{e}.execute(bank);" for e in range(g.elems))
 
 
 def render(geometry: TofinoGeometry | None = None, template: str | None = None) -> str:
@@ -129,7 +237,10 @@ def render(geometry: TofinoGeometry | None = None, template: str | None = None) 
     text = TEMPLATE.read_text() if template is None else template
     parts = {"@CONFIG@": _config(g), "@PAYLOAD_HEADERS@": _payload_headers(g),
              "@SUM_REGISTERS@": _sum_registers(g), "@LOOKUP_TABLES@": _lookup_tables(g),
-             "@SUM_APPLY@": _sum_apply(g), "@LOOKUP_APPLY@": g.lookup_apply()}
+             "@SUM_APPLY@": _sum_apply(g), "@LOOKUP_APPLY@": g.lookup_apply(),
+             "@WORKER_BIT_ENTRIES@": _worker_bit_entries(), "@VALIDATE_KEYS@": _validate_keys(),
+             "@VALIDATE_ENTRIES@": _validate_entries(g),
+             "@VALIDATE_SIZE@": f"size = {len(validation_entries(validation_checks(g)))};"}
     text = fill_markers(text, parts)
     header = (f"// GENERATED by p4/gen_tofino.py from p4/tofino/thc.p4.in for K={g.elems}, b={g.bits}, "
               f"result_bits={g.result_bits}, slots={g.slots}, jobs={g.jobs}, recirc_port={g.recirc_port}. "

@@ -89,5 +89,5 @@ def test_check_mode_detects_a_stale_file(tmp_path) -> None:
 def test_parser_uses_the_generated_names() -> None:
     """The shared parser selects on the generated field names and constants."""
     text = (INCLUDE_DIR / "thc_parser.p4").read_text()
-    assert "hdr.thc.version, hdr.thc.type_" in text
+    assert "select(thc.version, thc.type_)" in text
     assert "THC_UDP_PORT: parse_thc" in text

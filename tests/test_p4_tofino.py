@@ -1,11 +1,15 @@
 """The Tofino (TNA) program: generated from its template, same headers as the wire format, within
 Tofino's rules as far as a text check can tell, and accepted by p4c's front end (p4test) with tna.p4.
 
-The Tofino back end (bf-p4c) is not built on the development machines; its test skips saying so."""
+Where the Tofino back end (bf-p4c, built from p4c's backends/tofino) is on PATH, the program is compiled
+for Tofino 1 and the names the control plane uses are checked against the compiler's bfrt.json; elsewhere
+that test skips saying so."""
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -76,25 +80,25 @@ def test_program_uses_the_shared_headers_and_parser() -> None:
     assert not re.search(r"header\s+thc_h\s*\{", text)
     parser = (P4_DIR / "tofino" / "parser.p4").read_text()
     assert '#include "thc_parser.p4"' in parser
-    assert parser.count("thc_parser.apply(pkt, hdr);") == 1  # ingress
+    call = "thc_parser.apply(pkt, hdr.ethernet, hdr.ipv4, hdr.udp, hdr.thc, hdr.data, hdr.norm);"
+    assert parser.count(call) == 1  # ingress
     egress = parser[parser.index("parser ThcEgressParser"):parser.index("control ThcEgressDeparser")]
     assert "pkt.extract(hdr.thc);" in egress and "hdr.data" not in egress and "hdr.norm" not in egress
 
 
-@pytest.mark.parametrize(("elems", "bits", "rbits"), [(8, 2, 8), (32, 4, 8), (16, 8, 16), (24, 4, 16)])
+@pytest.mark.parametrize(("elems", "bits", "rbits"), [(8, 2, 8), (24, 4, 8), (16, 8, 16), (24, 4, 16)])
 def test_payload_headers_follow_the_geometry(elems: int, bits: int, rbits: int) -> None:
-    """K index fields of b bits (i0.. in wire order); K values and K sums; K lookup tables and K sum
-    registers, each table applied once and each register with its own RegisterActions."""
+    """K index fields of b bits (i0.. in wire order); K sums; K lookup tables and K sum registers, each
+    table applied once and each register with its own RegisterAction."""
     text = gen.render(gen.TofinoGeometry(elems=elems, bits=bits, result_bits=rbits))
     assert parse_header(text, "thc_data_h") == [(f"i{e}", bits) for e in range(elems)]
-    for name, prefix in (("thc_values_h", "v"), ("thc_result_h", "s")):
-        body = re.search(rf"header {name} \{{(.*?)\}}", text, re.S).group(1)
-        assert re.findall(r"bit<THC_RESULT_BITS> (\w+);", body) == [f"{prefix}{e}" for e in range(elems)]
+    body = re.search(r"header thc_result_h \{(.*?)\}", text, re.S).group(1)
+    assert re.findall(r"bit<THC_RESULT_BITS> (\w+);", body) == [f"s{e}" for e in range(elems)]
     assert f"#define THC_RESULT_BITS {rbits}" in text
     code = _strip_comments(text)
     assert sorted(int(x) for x in re.findall(r"lookup_(\d+)\.apply\(\)", code)) == list(range(elems))
     assert sorted(int(x) for x in re.findall(r"\) sums_(\d+);", code)) == list(range(elems))
-    assert "@" not in code
+    assert not re.search(r"@[A-Z_]+@", code), "a template marker was left unfilled"
 
 
 def test_consts_match_the_geometry() -> None:
@@ -113,20 +117,19 @@ def test_program_keeps_tofinos_register_rules() -> None:
     12 x 4 stateful ALUs, and the worker bitmap is one 32-bit cell (MAX_WORKERS = 32)."""
     code = _strip_comments(PROGRAM.read_text())
     assert not re.search(r"\.\s*(read|write)\s*\(", code)
-    regs = re.findall(r"Register<([^,]+),\s*bit<32>>\((\w+)\)\s+(\w+);", code)
+    regs = re.findall(r"Register<([^,]+),\s*bit<(?:16|32)>>\((\w+)\)\s+(\w+);", code)
     assert regs, "no Register declarations found"
     assert len(regs) <= 12 * 4
-    widths = {"bit<8>": 8, "bit<16>": 16, "bit<32>": 32, "slot_state_t": 32,
+    widths = {"bit<8>": 8, "bit<16>": 16, "bit<32>": 32,
               "bit<THC_RESULT_BITS>": parse_consts(code)["THC_RESULT_BITS"]}
     for cell, _size, name in regs:
         assert cell in widths and widths[cell] in (8, 16, 32), f"register {name} has cell type {cell}"
         assert re.search(rf"RegisterAction<[^\n]*?>\({name}\)", code), f"register {name} has no RegisterAction"
-    assert re.search(r"struct slot_state_t \{\s*bit<16> round;\s*bit<16> used;\s*\}", code)
     assert MAX_WORKERS == 32 and "Register<bit<32>, bit<32>>(THC_BANKS) bank_seen;" in code
     assert "for (" not in code and "while" not in code
 
 
-@pytest.mark.parametrize("bad", [dict(elems=12), dict(elems=40), dict(bits=0), dict(bits=9),
+@pytest.mark.parametrize("bad", [dict(elems=12), dict(elems=32), dict(elems=40), dict(bits=0), dict(bits=9),
                                  dict(result_bits=32), dict(slots=0), dict(jobs=4096), dict(recirc_port=512)])
 def test_bad_geometry_is_refused(bad: dict) -> None:
     """Geometries the program cannot have are refused with a message naming the parameter."""
@@ -154,20 +157,113 @@ def test_p4test_accepts_other_geometries(tmp_path: Path, elems: int, rbits: int)
 def test_p4test_rejects_a_broken_program(tmp_path: Path) -> None:
     """The front-end test can fail: a use of an undeclared name in the program is an error."""
     out = tmp_path / "thc.p4"
-    out.write_text(PROGRAM.read_text().replace("hdr.values.v0 = v;", "hdr.values.v0 = v + thc_no_such_name;"))
+    out.write_text(PROGRAM.read_text().replace("hdr.result.s0 = v;", "hdr.result.s0 = v + thc_no_such_name;"))
     shutil.copy(P4_DIR / "tofino" / "parser.p4", tmp_path / "parser.p4")
     proc = run_p4test(out)
     assert proc.returncode != 0 and "thc_no_such_name" in proc.stderr
 
 
+def _reference_check(f: dict, k: int, b: int) -> str | None:
+    """docs/protocol.md's checks in order, written out plainly: the first failing check's counter."""
+    if not f["thc_valid"] or f["udp_short"] != 0:
+        return "THC_CTR_SHORT"
+    if f["version"] != 1:
+        return "THC_CTR_BAD_VERSION"
+    if f["type"] not in (1, 3):
+        return "THC_CTR_BAD_TYPE"
+    for name, counter in (("job_hit", "THC_CTR_UNKNOWN_JOB"),):
+        if f[name] == 0:
+            return counter
+    if f["key_diff"] != 0:
+        return "THC_CTR_BAD_KEY"
+    if f["table_diff"] != 0:
+        return "THC_CTR_BAD_TABLE"
+    if f["workers_left"] == 0:
+        return "THC_CTR_BAD_WORKER"
+    if f["slots_left"] == 0:
+        return "THC_CTR_BAD_SLOT"
+    data_ok = f["data_valid"] and f["elems"] == k and f["width"] == b and f["udp_length"] == 40 + k * b // 8
+    norm_ok = f["norm_valid"] and f["elems"] == 1 and f["width"] == 32 and f["udp_length"] == 44
+    if (f["type"] == 1 and not data_ok) or (f["type"] == 3 and not norm_ok):
+        return "THC_CTR_BAD_FORMAT"
+    if f["type"] == 3 and (f["norm_sign_exp"] & 0x100 or f["norm_sign_exp"] & 0xFF == 0xFF):
+        return "THC_CTR_BAD_NORM"
+    return None
+
+
+def _tcam_first_match(entries: list, f: dict) -> str | None:
+    for pattern, counter in entries:
+        if all(f[key] == v if isinstance(v, bool) else f[key] & v[1] == v[0] & v[1] for key, v in pattern.items()):
+            return counter
+    raise AssertionError(f"no entry matches {f}")
+
+
+@pytest.mark.parametrize(("elems", "bits"), [(24, 4), (8, 2)])
+def test_validation_table_is_the_protocols_check_order(elems: int, bits: int) -> None:
+    """The validate table's entries (first match wins, as in a TCAM) give the counter of the first failing
+    check, or validated(), exactly as the checks in docs/protocol.md's order do, over 20000 random header
+    values drawn around every check's boundary."""
+    g = gen.TofinoGeometry(elems=elems, bits=bits)
+    entries = gen.validation_entries(gen.validation_checks(g))
+    assert {name for p, _ in entries for name in p} <= {name for name, _ in gen.VALIDATE_KEYS}
+    rng = random.Random(7)
+    # Per field: the values that pass its check, then the ones that do not (drawn 1 time in 8).
+    choices = {
+        "thc_valid": ([True], [False]), "udp_short": ([0], [1, 12]), "version": ([1], [0, 2]),
+        "type": ([1, 3], [0, 2, 4, 5, 7]), "job_hit": ([1], [0]), "key_diff": ([0], [1, 1 << 31]),
+        "table_diff": ([0], [4]), "workers_left": ([3, 1], [0]), "slots_left": ([9, 1], [0]),
+        "data_valid": ([True], [False]), "norm_valid": ([True], [False]), "elems": ([elems, 1], [elems + 8, 0]),
+        "width": ([bits, 32], [8, 0]), "udp_length": ([40 + elems * bits // 8, 44], [40, 0]),
+        "norm_sign_exp": ([0x7F, 0, 0x80], [0x100, 0xFF, 0x1FF]),
+    }
+    outcomes = set()
+    for _ in range(20000):
+        f = {k: rng.choice(bad if rng.random() < 1 / 8 else good) for k, (good, bad) in choices.items()}
+        want = _reference_check(f, elems, bits)
+        assert _tcam_first_match(entries, f) == want, f
+        outcomes.add(want)
+    assert len(outcomes) == 11  # the 10 counters of the checks and validated() were all seen
+    # The rendered table holds the same entries in the same order.
+    text = gen.render(g)
+    table = text[text.index("table validate {"):]
+    assert len(re.findall(r"^\s*\(.*\) : (?:reject|validated)", table[:table.index("size =")], re.M)) == len(entries)
+
+
 def test_bf_p4c_compiles_for_tofino1(tmp_path: Path) -> None:
-    """Where the Tofino back end (bf-p4c) is installed, the program compiles for Tofino 1."""
+    """Where the Tofino back end (bf-p4c) is installed, the program compiles for Tofino 1, and every table,
+    key, action, parameter, register and counter that the bfrt load and stats scripts name exists in the
+    compiler's bfrt.json under that name."""
     bf = shutil.which("bf-p4c") or shutil.which("p4c-barefoot")
     if bf is None:
         pytest.skip("needs bf-p4c or p4c-barefoot (the Tofino compiler back end, p4c backends/tofino or Intel's "
-                    "SDE) on PATH; it is not installed here: p4/tofino/README.md says what it reported of this "
-                    "program when it was run by hand")
-    cmd = [bf, "--target", "tofino", "--arch", "tna", "-I", str(INCLUDE_DIR), "-o", str(tmp_path / "out"),
-           str(PROGRAM)]
+                    "SDE) on PATH; p4/tofino/README.md says what it reported of this program where it ran")
+    out = tmp_path / "out"
+    cmd = [bf, "--target", "tofino", "--arch", "tna", "-I", str(INCLUDE_DIR), "-o", str(out), str(PROGRAM)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
-    assert proc.returncode == 0, f"bf-p4c failed:\n{proc.stderr}\n{proc.stdout}"
+    assert proc.returncode == 0, f"bf-p4c failed:\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}"
+    assert (out / "pipe" / "tofino.bin").is_file()
+
+    from aggregator.jobs import JobConfig
+    from aggregator.p4rt.bfrt import EGRESS_REGISTERS, INGRESS_REGISTERS, TofinoJob, TofinoPlan, bfrt_load_script
+    bfrt = {t["name"]: t for t in json.loads((out / "bfrt.json").read_text())["tables"]}
+    job = JobConfig(job=7, workers=3, threshold=2, elems=gen.TofinoGeometry().elems, result_bits=8, slots=16)
+    plan = TofinoPlan(jobs=(TofinoJob(job, (1, 2, 3)),), services=(("10.0.0.100", "02:00:00:00:01:00"),),
+                      routes=(("10.0.1.0/24", "00:00:00:00:00:07", 7),))
+    calls = re.findall(r"^ing\.(\w+)\.add_with_(\w+)\((.*)\)$", bfrt_load_script(plan), re.M)
+    assert calls
+    suffix = {"Exact": [""], "LPM": ["", "_p_length"], "Ternary": ["", "_mask"]}
+    for table, action, args in calls:
+        t = bfrt[f"pipe.ThcIngress.{table}"]
+        keys = {k["name"].rsplit(".", 1)[-1] + sfx for k in t["key"] if not k["name"].startswith("$")
+                for sfx in suffix[k["match_type"]]}
+        keys |= {k["name"][1:] for k in t["key"] if k["name"] == "$MATCH_PRIORITY"}
+        spec = next(a for a in t["action_specs"] if a["name"] == f"ThcIngress.{action}")
+        given = {kw.split("=", 1)[0].strip() for kw in args.split(",")}
+        assert given == keys | {p["name"] for p in spec["data"]}, (table, action)
+    for ctl, regs in (("ThcIngress", INGRESS_REGISTERS), ("ThcEgress", EGRESS_REGISTERS)):
+        for name, fields in regs.items():
+            t = bfrt[f"pipe.{ctl}.{name}"]
+            assert t["table_type"] == "Register"
+            assert [d["singleton"]["name"].rsplit(".", 1)[-1] for d in t["data"]] == list(fields)
+    for counter, size in (("thc_stats", 20), ("thc_rx", 1), ("thc_accepted", 2), ("thc_completed", 1)):
+        assert bfrt[f"pipe.ThcIngress.{counter}"]["size"] == size

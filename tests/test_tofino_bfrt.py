@@ -26,6 +26,7 @@ from aggregator.p4rt.bfrt import (
     BfrtUnavailable,
     TofinoJob,
     TofinoPlan,
+    TofinoProgram,
     bfrt_load_script,
     bfrt_stats_script,
     bfshell,
@@ -44,9 +45,9 @@ GEN = 0x1234
 CALL = re.compile(r"^ing\.(\w+)\.add_with_(\w+)\((.*)\)$")
 
 
-def sample_job() -> JobConfig:
-    """A THC job the default programs of both targets can aggregate (3 workers, K = 32, 8-bit sums)."""
-    return JobConfig(job=7, key=0x54484321, workers=3, threshold=2, elems=32, result_bits=8, slots=16)
+def sample_job(elems: int = 24) -> JobConfig:
+    """A THC job of 3 workers, 8-bit sums; K = 24 is the default Tofino program's, 32 the BMv2 one's."""
+    return JobConfig(job=7, key=0x54484321, workers=3, threshold=2, elems=elems, result_bits=8, slots=16)
 
 
 def parse_calls(script: str) -> list[tuple[str, str, dict[str, int]]]:
@@ -61,13 +62,27 @@ def parse_calls(script: str) -> list[tuple[str, str, dict[str, int]]]:
     return out
 
 
+def logical(calls: list[tuple[str, str, dict[str, int]]], bits: int) -> list[tuple[str, str, dict[str, int]]]:
+    """The calls without what Tofino's ternary lookup tables add to a logical entry, after checking it:
+    every key's mask is all ones (an exact match) and the priority is 0 (entries never overlap)."""
+    out = []
+    for table, action, kw in calls:
+        if table.startswith("lookup_"):
+            kw = dict(kw)
+            e = table.split("_", 1)[1]
+            assert (kw.pop("job_index_mask"), kw.pop(f"i{e}_mask"), kw.pop("MATCH_PRIORITY")) == (
+                0xFFFF, (1 << bits) - 1, 0), (table, kw)
+        out.append((table, action, kw))
+    return out
+
+
 def expected_job_calls(cfg: JobConfig, job_index: int, slot_base: int, mcast_grp: int,
                        ) -> list[tuple[str, str, dict[str, int]]]:
     """The lookup and job entries of a job, from its table values and configuration (bfrt key names)."""
     values = [int(v) for v in cfg.values()]
     assert len(values) == 1 << cfg.bits
     out = [(f"lookup_{e}", f"value_{e}", {"job_index": job_index, f"i{e}": i, "v": v})
-           for e in range(32) for i, v in enumerate(values)]
+           for e in range(cfg.elems) for i, v in enumerate(values)]
     out.append(("thc_jobs", "job_config", {
         "job": cfg.job, "key": cfg.key, "table_id": cfg.table_id, "workers": cfg.workers,
         "threshold": cfg.threshold, "slots": cfg.slots, "slot_base": slot_base, "job_index": job_index,
@@ -93,10 +108,11 @@ def test_reset_covers_every_register_of_the_program() -> None:
     script = bfrt_load_script(TofinoPlan())
     cleared = set(re.findall(r"^(?:ing|egr)\.(\w+)\.clear\(\)$", script, re.M))
     assert cleared == ing_regs - {f"sums_{e}" for e in range(32)} | egr_regs
-    # The sums need no reset: a FRESH or NEWER packet overwrites its bank's sums (sum_set_<e>).
-    code = re.sub(r"//[^\n]*", "", text)
-    assert re.search(r"struct slot_state_t \{\s*bit<16> round;\s*bit<16> used;", code)
-    assert INGRESS_REGISTERS["slot_state"] == ("round", "used")
+    # The sums need no reset: a FRESH or NEWER packet overwrites its bank's sums (OP_SET).
+    # Plain cells (no struct): bfrt names the single data field f1.
+    cells = set(re.findall(r"^\s*Register<([^,]+),[^\n]*?>\(\w+\) \w+;", text, re.M))
+    assert cells <= {"bit<8>", "bit<16>", "bit<32>", "bit<THC_RESULT_BITS>"}, cells
+    assert all(fields == ("f1",) for fields in {**INGRESS_REGISTERS, **EGRESS_REGISTERS}.values())
 
 
 def test_bfrt_script_installs_the_expected_entries() -> None:
@@ -104,7 +120,7 @@ def test_bfrt_script_installs_the_expected_entries() -> None:
     configuration, PRE nodes (rid = row * 32 + worker, one port each) and the group of those nodes."""
     cfg = sample_job()
     script = bfrt_load_script(TofinoPlan(jobs=(TofinoJob(cfg, (5, 6, 9)),)), generation=GEN)
-    calls = parse_calls(script)
+    calls = logical(parse_calls(script), cfg.bits)
     assert calls == expected_job_calls(cfg, job_index=0, slot_base=0, mcast_grp=1)
     nodes = re.findall(r"bfrt\.pre\.node\.entry\(MULTICAST_NODE_ID=(\d+), MULTICAST_RID=(\d+), "
                        r"MULTICAST_LAG_ID=\[\], DEV_PORT=\[(\d+)\]\)\.push\(\)", script)
@@ -132,9 +148,10 @@ def test_both_targets_get_the_same_logical_entries() -> None:
     if not CHECKED_IN_P4INFO.exists():
         pytest.skip(f"{CHECKED_IN_P4INFO} is missing (compile p4/bmv2/thc.p4 with p4c-bm2-ss)")
     idx = P4InfoIndex(text_format.Parse(CHECKED_IN_P4INFO.read_text(), p4info_pb2.P4Info()))
-    cfg, ports = sample_job(), (5, 6, 9)
+    # The BMv2 program's geometry (K = 32) on both targets: the Tofino control plane takes any geometry.
+    cfg, ports, geometry = sample_job(32), (5, 6, 9), ProgramGeometry.from_index(idx)
     place = Placement(job_index=0, slot_base=0, generation=GEN)
-    ups = job_updates(idx, ProgramGeometry.from_index(idx), cfg, ports, place)
+    ups = job_updates(idx, geometry, cfg, ports, place)
     tables = {t.id: t for t in idx.tables.values()}
     actions = {a.id: a for a in idx.actions.values()}
     bmv2 = []
@@ -151,7 +168,8 @@ def test_both_targets_get_the_same_logical_entries() -> None:
         kw = {names[m.field_id].rsplit(".", 1)[-1]: int.from_bytes(m.exact.value, "big") for m in te.match}
         kw.update({pnames[p.param_id]: int.from_bytes(p.value, "big") for p in te.action.action.params})
         bmv2.append((t.name.rsplit(".", 1)[-1], a.name.rsplit(".", 1)[-1], kw))
-    tofino = parse_calls(bfrt_load_script(TofinoPlan(jobs=(TofinoJob(cfg, ports),)), generation=GEN))
+    plan = TofinoPlan(jobs=(TofinoJob(cfg, ports),), program=TofinoProgram(geometry=geometry))
+    tofino = logical(parse_calls(bfrt_load_script(plan, generation=GEN)), cfg.bits)
     expected = expected_job_calls(cfg, job_index=0, slot_base=0, mcast_grp=1)
     assert bmv2 == expected
     assert tofino == expected
@@ -162,7 +180,7 @@ def test_services_routes_and_two_jobs() -> None:
     """Service and LPM route entries; a second job gets the next row, the next slot range, group 2 and
     its own PRE node ids and replication ids (row 1: 32 + worker)."""
     a = sample_job()
-    b = JobConfig(job=8, key=1, workers=2, elems=32, result_bits=8, slots=8)
+    b = JobConfig(job=8, key=1, workers=2, elems=24, result_bits=8, slots=8)
     plan = TofinoPlan(jobs=(TofinoJob(a, (1, 2, 3)), TofinoJob(b, (4, 5))),
                       services=(("10.0.0.100", "02:00:00:00:01:00"),),
                       routes=(("10.0.1.0/24", "00:00:00:00:00:07", 7),))
@@ -179,7 +197,7 @@ def test_services_routes_and_two_jobs() -> None:
 
 
 def test_a_job_the_program_cannot_aggregate_is_refused() -> None:
-    """K other than the compiled 32, or more ports than workers: JobRefused, naming the problem."""
+    """K other than the compiled 24, or more ports than workers: JobRefused, naming the problem."""
     with pytest.raises(JobRefused, match="K = 16"):
         bfrt_load_script(TofinoPlan(jobs=(TofinoJob(JobConfig(workers=2, elems=16, result_bits=8), (1, 2)),)))
     with pytest.raises(JobRefused, match="ports"):
@@ -220,7 +238,7 @@ def test_without_the_sde_scripts_are_written_not_run(tmp_path: Path, monkeypatch
     with pytest.raises(BfrtUnavailable, match=r"\$SDE"):
         bfshell()
     out = tmp_path / "load.py"
-    rc = cli_main(["load", "--target", "tofino", "--job", "job=7,workers=2,elems=32,result_bits=8",
+    rc = cli_main(["load", "--target", "tofino", "--job", "job=7,workers=2,elems=24,result_bits=8",
                    "--ports", "1,2", "--output", str(out)])
     assert rc == 0 and "ing.thc_jobs.add_with_job_config(job=0x7," in out.read_text()
     assert "script not run" in capsys.readouterr().err
@@ -241,41 +259,45 @@ def test_with_an_sde_thc_switch_runs_the_scripts(tmp_path: Path, monkeypatch: py
     shell.chmod(shell.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("SDE", str(sde))
     script = tmp_path / "load.py"
-    rc = cli_main(["load", "--target", "tofino", "--job", "job=7,workers=2,elems=32,result_bits=8",
+    rc = cli_main(["load", "--target", "tofino", "--job", "job=7,workers=2,elems=24,result_bits=8",
                    "--ports", "1,2", "--output", str(script)])
     assert rc == 0 and log.read_text().split() == ["-b", str(script)]
     capsys.readouterr()
     assert cli_main(["stats", "--target", "tofino"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert got["RX"] == 11 and got["ELEMENTS"] == 2 * 32 and got["ACCEPTED"] == 3
+    assert got["RX"] == 11 and got["ELEMENTS"] == 2 * 24 and got["ACCEPTED"] == 3
 
 
 def test_script_names_exist_in_the_tofino_program() -> None:
     """Every table, action, key and parameter the load script names is declared in p4/tofino/thc.p4 with
-    that name (bfrt_python keys are the last component of the P4 key's name; LPM adds <key>_p_length)."""
+    that name (bfrt_python keys are the last component of the P4 key's name; LPM adds <key>_p_length,
+    a ternary key <key>_mask and the entry MATCH_PRIORITY)."""
     code = re.sub(r"//[^\n]*|/\*.*?\*/", "", TOFINO_PROGRAM.read_text(), flags=re.S)
+    code = re.sub(r"@\w+\([^)]*\)\s*", "", code)  # annotations (@noWarn, @stage) are not names
     actions = {name: [p.split()[-1] for p in params.split(",") if p.strip()]
                for name, params in re.findall(r"action (\w+)\(([^)]*)\)", code)}
-    tables = {name: (re.findall(r"([\w.]+): (exact|lpm);", keys), acts.replace(" ", "").split(";"))
+    tables = {name: (re.findall(r"([\w.]+): (exact|lpm|ternary);", keys), acts.replace(" ", "").split(";"))
               for name, keys, acts in re.findall(
                   r"table (\w+) \{\s*key = \{([^}]*)\}\s*actions = \{([^}]*)\}", code)}
     plan = TofinoPlan(jobs=(TofinoJob(sample_job(), (1, 2, 3)),), services=(("10.0.0.100", "02:00:00:00:01:00"),),
                       routes=(("10.0.1.0/24", "00:00:00:00:00:07", 7),))
     calls = parse_calls(bfrt_load_script(plan, generation=GEN))
-    assert {t for t, _, _ in calls} == {f"lookup_{e}" for e in range(32)} | {"thc_jobs", "thc_service", "ipv4_lpm"}
+    assert {t for t, _, _ in calls} == {f"lookup_{e}" for e in range(24)} | {"thc_jobs", "thc_service", "ipv4_lpm"}
+    suffix = {"lpm": ["_p_length"], "ternary": ["_mask"], "exact": []}
     for table, action, kw in calls:
         assert table in tables, f"no table {table} in the Tofino program"
         keys, acts = tables[table]
         assert action in acts, f"table {table} has no action {action}"
-        names = {k.rsplit(".", 1)[-1] for k, _ in keys} | {f"{k.rsplit('.', 1)[-1]}_p_length"
-                                                            for k, kind in keys if kind == "lpm"}
+        names = {k.rsplit(".", 1)[-1] + sfx for k, kind in keys for sfx in ["", *suffix[kind]]}
+        if any(kind == "ternary" for _, kind in keys):
+            names.add("MATCH_PRIORITY")
         assert set(kw) == names | set(actions[action]), (table, action, sorted(kw))
 
 
 def test_cli_geometry_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                              capsys: pytest.CaptureFixture[str]) -> None:
     """--geometry tells thc-switch the program was generated for another K: a K = 16 job is refused by the
-    default (K = 32) and installed with 16 lookup tables under --geometry 16,4,16,4096,8."""
+    default (K = 24) and installed with 16 lookup tables under --geometry 16,4,16,4096,8."""
     monkeypatch.delenv("SDE", raising=False)
     spec = "job=3,workers=2,elems=16,result_bits=16"
     assert cli_main(["load", "--target", "tofino", "--job", spec, "--ports", "1,2", "--no-run"]) == 1

@@ -49,17 +49,20 @@ from aggregator.state import Counter
 
 # The geometry p4/gen_tofino.py renders p4/tofino/thc.p4 with by default (tests/test_tofino_bfrt.py
 # checks these agree with the generator's TofinoGeometry defaults).
-DEFAULT_TOFINO_GEOMETRY = ProgramGeometry(elems=32, bits=4, result_bits=8, slots=4096, jobs=8)
+DEFAULT_TOFINO_GEOMETRY = ProgramGeometry(elems=24, bits=4, result_bits=8, slots=4096, jobs=8)
 
-# Registers of the program and their data fields (bfrt names: a struct register's fields by name, a plain
-# one's single field f1), so the load script can reset them.
+# Registers of the program and their data fields (bfrt names: a plain register's single field is f1), so
+# the load script can reset them.
 INGRESS_REGISTERS: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "slot_state": ("round", "used"), "bank_tag": ("f1",), "bank_seen": ("f1",), "bank_count": ("f1",),
+    "slot_state": ("f1",), "bank_tag": ("f1",), "bank_seen": ("f1",), "bank_count": ("f1",),
     "bank_norm": ("f1",), "bank_result_bitmap": ("f1",),
 })
 EGRESS_REGISTERS: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "worker_ip": ("f1",), "worker_port": ("f1",), "worker_mac_hi": ("f1",), "worker_mac_lo": ("f1",),
+    "worker_ip": ("f1",), "worker_port_mac_hi": ("f1",), "worker_mac_lo": ("f1",),
 })
+# Tables that match ternary on Tofino: the lookups live in TCAM (an exact-match table needs a hash unit
+# of its own, and a stage has 8), so their entries carry masks (all ones: an exact match) and a priority.
+TERNARY_TABLE_PREFIX = "lookup_"
 STATS_MARK = "THC_STATS "
 
 
@@ -131,13 +134,24 @@ def _short(name: str) -> str:
     return name.rsplit(".", 1)[-1]
 
 
+def _key_bits(prog: TofinoProgram, name: str) -> int:
+    """Width of a lookup table's key field: the job row (16 bits) or a b-bit index."""
+    return 16 if name == "job_index" else prog.geometry.bits
+
+
 def bfrt_table_call(prog: TofinoProgram, entry: LogicalEntry) -> str:
     """One ``add_with_<action>`` call of bfrt_python for a logical entry of the ingress."""
     args = []
+    ternary = entry.table.startswith(TERNARY_TABLE_PREFIX)
     for m in entry.match:
-        args.append(f"{_short(m.field)}={m.value:#x}")
+        name = _short(m.field)
+        args.append(f"{name}={m.value:#x}")
+        if ternary:
+            args.append(f"{name}_mask={(1 << _key_bits(prog, name)) - 1:#x}")
         if m.prefix_len is not None:
-            args.append(f"{_short(m.field)}_p_length={m.prefix_len}")
+            args.append(f"{name}_p_length={m.prefix_len}")
+    if ternary:
+        args.append("MATCH_PRIORITY=0")  # the entries of a lookup table never overlap
     args += [f"{name}={value:#x}" for name, value in entry.params]
     return f"ing.{entry.table}.add_with_{entry.action}({', '.join(args)})"
 

@@ -166,7 +166,7 @@ parser ThcParser(packet_in pkt, out thc_headers_t hdr, inout thc_metadata_t meta
                  inout standard_metadata_t standard_metadata) {
     ThcHeaderParser() thc_parser;
     state start {
-        thc_parser.apply(pkt, hdr);
+        thc_parser.apply(pkt, hdr.ethernet, hdr.ipv4, hdr.udp, hdr.thc, hdr.data, hdr.norm);
         transition accept;
     }
 }

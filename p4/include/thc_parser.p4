@@ -1,7 +1,6 @@
-// The THC parser, shared by the THC programs. It expects the including program to define
-//   struct thc_headers_t { ethernet_h ethernet; ipv4_h ipv4; udp_h udp; thc_h thc;
-//                          thc_data_h data; thc_norm_h norm; ... }
-// where thc_data_h is the program's K x b-bit DATA payload.
+// The THC parser, shared by the THC programs. It takes the headers it extracts one by one (not the
+// program's whole header struct: the Tofino program has extracted its bridge header into that struct
+// before it, and an out struct would reset it). thc_data_h is the program's K x b-bit DATA payload.
 //
 // Ethernet -> IPv4 (no options, not a fragment) -> UDP -> if the destination port is THC_UDP_PORT:
 // the THC header, then the DATA payload for version-1 DATA packets or the norm word for version-1 NORM
@@ -14,42 +13,43 @@
 
 #include "thc_common.p4"
 
-parser ThcHeaderParser(packet_in pkt, out thc_headers_t hdr) {
+parser ThcHeaderParser(packet_in pkt, out ethernet_h ethernet, out ipv4_h ipv4, out udp_h udp, out thc_h thc,
+                       out thc_data_h data, out thc_norm_h norm) {
     state start {
-        pkt.extract(hdr.ethernet);
-        transition select(hdr.ethernet.etherType) {
+        pkt.extract(ethernet);
+        transition select(ethernet.etherType) {
             ETHERTYPE_IPV4: parse_ipv4;
             default: accept;
         }
     }
     state parse_ipv4 {
-        pkt.extract(hdr.ipv4);
-        transition select(hdr.ipv4.ihl, hdr.ipv4.fragOffset, hdr.ipv4.protocol) {
+        pkt.extract(ipv4);
+        transition select(ipv4.ihl, ipv4.fragOffset, ipv4.protocol) {
             (5, 0, IPPROTO_UDP): parse_udp;
             default: accept;
         }
     }
     state parse_udp {
-        pkt.extract(hdr.udp);
-        transition select(hdr.udp.dstPort) {
+        pkt.extract(udp);
+        transition select(udp.dstPort) {
             THC_UDP_PORT: parse_thc;
             default: accept;
         }
     }
     state parse_thc {
-        pkt.extract(hdr.thc);
-        transition select(hdr.thc.version, hdr.thc.type_) {
+        pkt.extract(thc);
+        transition select(thc.version, thc.type_) {
             (THC_VERSION, THC_TYPE_DATA): parse_data;
             (THC_VERSION, THC_TYPE_NORM): parse_norm;
             default: accept;
         }
     }
     state parse_data {
-        pkt.extract(hdr.data);
+        pkt.extract(data);
         transition accept;
     }
     state parse_norm {
-        pkt.extract(hdr.norm);
+        pkt.extract(norm);
         transition accept;
     }
 }

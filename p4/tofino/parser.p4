@@ -1,7 +1,7 @@
 // TNA parsers and deparsers of the THC Tofino program (included by p4/tofino/thc.p4).
 //
 // Why a Tofino-specific file: a TNA ingress parser must first take the intrinsic metadata and skip the
-// port metadata, and this program carries a bridge header (plus the looked-up values) in front of
+// port metadata, and this program carries a bridge header in front of
 // Ethernet, from ingress to egress and, for recirculated packets, from pass 1 to pass 2. After that
 // prefix the ingress parser runs the shared ThcHeaderParser (p4/include/thc_parser.p4), so the THC
 // header and payloads are parsed exactly as on BMv2; the egress parser stops after the THC header.
@@ -17,7 +17,7 @@ parser ThcIngressParser(packet_in pkt, out thc_headers_t hdr, out thc_metadata_t
     state start {
         pkt.extract(ig_intr_md);
         pkt.advance(PORT_METADATA_SIZE);
-        meta = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+        meta = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
         transition select(ig_intr_md.ingress_port) {
             THC_RECIRC_PORT: parse_bridge;   // pass 2: the bridge header written by pass 1
             default: parse_packet;
@@ -25,17 +25,10 @@ parser ThcIngressParser(packet_in pkt, out thc_headers_t hdr, out thc_metadata_t
     }
     state parse_bridge {
         pkt.extract(hdr.bridge);
-        transition select(hdr.bridge.has_values) {
-            1: parse_values;
-            default: parse_packet;
-        }
-    }
-    state parse_values {
-        pkt.extract(hdr.values);
         transition parse_packet;
     }
     state parse_packet {
-        thc_parser.apply(pkt, hdr);
+        thc_parser.apply(pkt, hdr.ethernet, hdr.ipv4, hdr.udp, hdr.thc, hdr.data, hdr.norm);
         transition accept;
     }
 }
@@ -48,22 +41,15 @@ control ThcIngressDeparser(packet_out pkt, inout thc_headers_t hdr, in thc_metad
 }
 
 // Egress reads and rewrites only Ethernet, IPv4, UDP and the THC header (addresses of multicast
-// replicas, learnt sender addresses) and removes the bridge and values headers; the payload (DATA
+// replicas, learnt sender addresses) and removes the bridge header; the payload (DATA
 // indices, norm, RESULT sums) passes through unparsed. Parsing it too made the longest egress path 180
 // bytes, over Tofino 1's 160-byte parse depth (bf-p4c: "exceeds maximum parse depth").
 parser ThcEgressParser(packet_in pkt, out thc_headers_t hdr, out thc_egress_metadata_t meta,
                        out egress_intrinsic_metadata_t eg_intr_md) {
     state start {
         pkt.extract(eg_intr_md);
-        meta = {0, 0, 0, 0};
+        meta = {0, 0, 0, 0, 0, 0, 0};
         pkt.extract(hdr.bridge);   // every packet carries one from ingress
-        transition select(hdr.bridge.has_values) {
-            1: parse_values;
-            default: parse_packet;
-        }
-    }
-    state parse_values {
-        pkt.extract(hdr.values);
         transition parse_packet;
     }
     state parse_packet {
