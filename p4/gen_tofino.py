@@ -77,7 +77,7 @@ def _payload_headers(g: TofinoGeometry) -> str:
 
 def _sum_registers(g: TofinoGeometry) -> str:
     # One RegisterAction per register (see the template): overwrite for OP_SET, else add; the new value
-    # is the sum (a retained read adds the 0 that zero_result() put in the field).
+    # is the sum (a retained read adds the 0 that its missed lookups put in the field).
     out = []
     for e in range(g.elems):
         t = "bit<THC_RESULT_BITS>"
