@@ -35,13 +35,11 @@ MARKERS = ("@CONFIG@", "@PAYLOAD_HEADERS@", "@SUM_REGISTERS@", "@LOOKUP_TABLES@"
            "@LOOKUP_APPLY@", "@WORKER_BIT_ENTRIES@", "@VALIDATE_KEYS@", "@VALIDATE_ENTRIES@",
            "@VALIDATE_SIZE@")
 
-# Stateful ALUs of one Tofino 1 pipe (12 MAU stages x 4; public figure) and what the program's state needs
-# besides the sums: pass 1 slot, tag, seen bitmap, count; pass 2 norm, result bitmap; egress worker ip,
-# port + mac hi, mac lo. The ALUs would allow K = 32 sums, but the stages do not: bf-p4c 9.13.4 places
-# K = 24 in Tofino 1's 12 stages and K = 32 needs 14 (the sums wait for the lookups, and the lookups for
-# free logical tables). See p4/tofino/README.md.
-SALUS_PER_PIPE = 12 * 4
-STATE_SALUS = 4 + 2 + 3
+# One stateful ALU per sum; one Tofino 1 pipe has 12 stages x 4, and the state needs 9 besides the sums
+# (pass 1 slot, tag, seen bitmap, count; pass 2 norm, result bitmap; egress worker ip, port + mac hi,
+# mac lo). The ALUs would allow K = 32 sums, but the stages do not: bf-p4c 9.13.4 places K = 24 in
+# Tofino 1's 12 stages and K = 32 needs 14 (the sums wait for the lookups, and the lookups for free
+# logical tables). See p4/tofino/README.md.
 MAX_ELEMS = 24
 MAX_WORKERS = 32  # one 32-bit bitmap cell per bank
 

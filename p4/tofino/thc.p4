@@ -1045,22 +1045,6 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
         size = 3;
     }
 
-    // Pass 2's result bitmap, in a table of its own (the wildcard entry is there because a default action
-    // cannot address a register by hash).
-    action result_bitmap_act() {
-        meta.bmap = result_bitmap_update.execute(bank_index_2.get({hdr.bridge.slot, hdr.thc.round[0:0]}));
-    }
-
-    table result_bitmap_step {
-        key = { hdr.bridge.op: ternary; }
-        actions = { result_bitmap_act; NoAction; }
-        const entries = {
-            _ : result_bitmap_act();
-        }
-        const default_action = NoAction();
-        size = 1;
-    }
-
     // Validation failed: count the check's counter, drop.
     action reject(bit<32> reason) {
         meta.stat = reason;
@@ -1207,19 +1191,19 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                 }
                 bnorm = norm_update.execute(bank);
             }
-            result_bitmap_step.apply();
-            if (op != OP_READ) {
+            meta.bmap = result_bitmap_update.execute(bank);
+            if (op == OP_READ) {
+                hdr.bridge.emit = EMIT_RETAINED;   // COMPLETE: the retained result, to the sender
+            } else {
                 if (hdr.bridge.kind == THC_TYPE_DATA) {
                     thc_accepted.count(1);
                 } else {
                     thc_accepted.count(0);
                 }
-            }
-            if (op == OP_READ) {
-                hdr.bridge.emit = EMIT_RETAINED;   // COMPLETE: the retained result, to the sender
-            } else if (meta.below_threshold == 0) {
-                hdr.bridge.emit = EMIT_MULTICAST;  // the completion check: to every worker
-                thc_completed.count(0);
+                if (meta.below_threshold == 0) {
+                    hdr.bridge.emit = EMIT_MULTICAST;  // the completion check: to every worker
+                    thc_completed.count(0);
+                }
             }
             if (hdr.bridge.emit == EMIT_NONE) {
                 drop();
@@ -1415,53 +1399,6 @@ control ThcEgress(inout thc_headers_t hdr, inout thc_egress_metadata_t meta,
         }
     };
 
-    // The three accesses (learning packets write, multicast replicas read); an action may use one
-    // stateful ALU per address, so one table each.
-    action worker_ip_act() {
-        meta.ip = worker_ip_access.execute(meta.row);
-    }
-
-    action worker_port_mac_hi_act() {
-        meta.port_mac_hi = worker_port_mac_hi_access.execute(meta.row);
-    }
-
-    action worker_mac_lo_act() {
-        meta.mac_lo = worker_mac_lo_access.execute(meta.row);
-    }
-
-    table worker_ip_step {
-        key = { hdr.bridge.learn: ternary; hdr.bridge.fanout: ternary; }
-        actions = { worker_ip_act; NoAction; }
-        const entries = {
-            (1, _) : worker_ip_act();
-            (_, 1) : worker_ip_act();
-        }
-        const default_action = NoAction();
-        size = 2;
-    }
-
-    table worker_port_mac_hi_step {
-        key = { hdr.bridge.learn: ternary; hdr.bridge.fanout: ternary; }
-        actions = { worker_port_mac_hi_act; NoAction; }
-        const entries = {
-            (1, _) : worker_port_mac_hi_act();
-            (_, 1) : worker_port_mac_hi_act();
-        }
-        const default_action = NoAction();
-        size = 2;
-    }
-
-    table worker_mac_lo_step {
-        key = { hdr.bridge.learn: ternary; hdr.bridge.fanout: ternary; }
-        actions = { worker_mac_lo_act; NoAction; }
-        const entries = {
-            (1, _) : worker_mac_lo_act();
-            (_, 1) : worker_mac_lo_act();
-        }
-        const default_action = NoAction();
-        size = 2;
-    }
-
     apply {
         if (hdr.bridge.isValid()) {
             if (hdr.bridge.learn == 1) {
@@ -1478,9 +1415,11 @@ control ThcEgress(inout thc_headers_t hdr, inout thc_egress_metadata_t meta,
             } else {
                 meta.row = eg_intr_md.egress_rid;
             }
-            worker_ip_step.apply();
-            worker_port_mac_hi_step.apply();
-            worker_mac_lo_step.apply();
+            if (hdr.bridge.learn == 1 || hdr.bridge.fanout == 1) {
+                meta.ip = worker_ip_access.execute(meta.row);
+                meta.port_mac_hi = worker_port_mac_hi_access.execute(meta.row);
+                meta.mac_lo = worker_mac_lo_access.execute(meta.row);
+            }
             if (hdr.bridge.fanout == 1) {
                 // One replica per worker of the job: address it to the worker's learnt address.
                 if (meta.ip == 0) {
