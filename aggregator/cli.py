@@ -7,8 +7,8 @@ import logging
 import sys
 from pathlib import Path
 
-from aggregator.jobs import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfigError, parse_job_spec
 from aggregator.server import AggregatorServer, ServerConfig
+from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfigError, parse_job_spec
 from worker_lib.wire.layout import THC_UDP_PORT
 
 

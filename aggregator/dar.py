@@ -21,14 +21,14 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from aggregator.jobs import JobConfig, JobConfigError
-from aggregator.state import DEFAULT_STRIDE
-from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, ROUND_BITS, VERSION, PacketType
+from aggregator.engine import DEFAULT_STRIDE
+from worker_lib.job import JobConfig, JobConfigError
+from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, VERSION, PacketType
+from worker_lib.wire.protocol import DarCounter, fragment_count, serial_newer
 from worker_lib.wire.serializer import header_view
 
 if TYPE_CHECKING:
@@ -36,42 +36,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ROUND_MASK = (1 << ROUND_BITS) - 1
-HALF = 1 << (ROUND_BITS - 1)
 #: Bytes in front of a fragment's message bytes: THC header + DAR prefix.
 FRAGMENT_OVERHEAD = HEADER_BYTES + DAR_PREFIX_BYTES
 
-
-class DarCounter(IntEnum):
-    """Counters of the DAR path (index into ``DarAggregator.counters``); names are metric labels."""
-
-    RX = 0  #: DAR_DATA packets received
-    ACCEPTED = 1  #: fragments stored into a reassembly buffer
-    NEW_ROUND = 2  #: banks (re)started by the first fragment of a newer round
-    MESSAGES = 3  #: worker messages completed (all their fragments arrived)
-    COMPLETED = 4  #: slot rounds that reached the threshold and were aggregated
-    RETAINED = 5  #: fragments of a completed round answered with retained result fragments
-    DUPLICATE = 6  #: fragments already held (or of a message already complete): added nothing
-    STRAGGLER = 7  #: straggler notices sent (stale round)
-    RESULT_FRAGMENTS = 8  #: DAR_RESULT fragments built at completions
-    CPU_NS = 9  #: aggregator CPU time (ns) spent in decode + float sum + re-encode, over all completions
-    SHORT = 10  #: dropped: shorter than header + prefix
-    BAD_VERSION = 11  #: dropped: unknown version
-    UNKNOWN_JOB = 12  #: dropped: no dar job with this id
-    BAD_KEY = 13  #: dropped: wrong key
-    BAD_TABLE = 14  #: dropped: table_id != 0
-    BAD_WORKER = 15  #: dropped: worker id >= n
-    BAD_SLOT = 16  #: dropped: slot >= S
-    WRONG_SHARD = 17  #: dropped: slot of another shard
-    BAD_FORMAT = 18  #: dropped: width != 8, or elems / length do not match the fragment
-    BAD_PREFIX = 19  #: dropped: total bits over max_message, or fragment count not the one the bits need
-    BAD_FRAGMENT = 20  #: dropped: fragment index >= fragment count
-    INCONSISTENT = 21  #: dropped: totals differ from those of the message's earlier fragments
-    BAD_MESSAGE = 22  #: complete messages the codec could not decode (discarded; the worker may resend)
-    RESULT_TOO_LARGE = 23  #: rounds whose re-encoded result exceeded max_message (discarded, logged)
-
-
-DAR_DROP_COUNTERS = tuple(c for c in DarCounter if c >= DarCounter.SHORT)
 
 _EMPTY = -1
 
@@ -84,11 +51,6 @@ def round_seed(seed: int, job: int, slot: int, rnd: int) -> int:
     not on the order in which rounds complete.
     """
     return int(np.random.SeedSequence([seed, job, slot, rnd]).generate_state(1, np.uint32)[0])
-
-
-def fragment_count(nbytes: int, per: int) -> int:
-    """Fragments of a message of ``nbytes`` bytes at ``per`` bytes per fragment (at least 1)."""
-    return max(1, -(-nbytes // per))
 
 
 class DarJobState:
@@ -254,8 +216,7 @@ class DarAggregator:
         c = self.counters
         s, r, w, k = cols["slot"][i], cols["round"][i], cols["worker"][i], cols["chunk"][i]
         b = r & 1
-        d = (r - js.cur_round[s]) & ROUND_MASK
-        if not js.used[s] or 0 < d < HALF:
+        if not js.used[s] or serial_newer(r, js.cur_round[s]):
             # First fragment of a newer round: the bank starts over (nothing of the old round is added).
             js.used[s] = True
             js.cur_round[s] = r

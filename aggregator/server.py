@@ -31,11 +31,12 @@ from types import FrameType
 
 import numpy as np
 
-from aggregator.dar import DAR_DROP_COUNTERS, DarAggregator, DarCounter, DarOutputs
+from aggregator.dar import DarAggregator, DarOutputs
+from aggregator.engine import DEFAULT_STRIDE, Aggregator
 from aggregator.io import BatchSocket, sockaddr_in, sockaddr_to_tuple, udp_socket
-from aggregator.jobs import JobConfig, load_jobs, parse_job_spec
-from aggregator.state import DEFAULT_STRIDE, DROP_COUNTERS, Aggregator, Counter
+from worker_lib.job import JobConfig, load_jobs, parse_job_spec
 from worker_lib.wire.layout import PacketType
+from worker_lib.wire.protocol import DAR_DROP_COUNTERS, DROP_COUNTERS, Counter, DarCounter
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ class Shard:
                     self.pcap.write(self.local, sockaddr_to_tuple(a), snd.buf[r, :ln].tobytes())
 
     def _send(self, out: object, src_addr: np.ndarray) -> None:
-        from aggregator.state import Outputs
+        from aggregator.engine import Outputs
 
         assert isinstance(out, Outputs)
         m = out.count

@@ -36,10 +36,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from aggregator.engine import DEFAULT_STRIDE
 from aggregator.io import BatchSocket, sockaddr_in, udp_socket
-from aggregator.jobs import JobConfig
-from aggregator.launch import listening_port
-from aggregator.state import DEFAULT_STRIDE
+from launchers.aggregator_process import listening_port
+from worker_lib.job import JobConfig
 from worker_lib.wire import build_batch, pack_indices_np
 
 WORKERS = 4
@@ -191,7 +191,7 @@ def gloo_allreduce(dim: int, world: int = 4, reps: int = 5) -> float:
 
 
 def thc_allreduce(dim: int, workers: int = 4, steps: int = 3) -> dict:
-    from aggregator.allreduce_cli import build_parser, run
+    from launchers.allreduce import build_parser, run
 
     args = build_parser().parse_args(["--workers", str(workers), "--dim", str(dim), "--steps", str(steps)])
     s = run(args)
@@ -201,7 +201,7 @@ def thc_allreduce(dim: int, workers: int = 4, steps: int = 3) -> dict:
 
 def _thc_round_cpu(d: int, workers: int, rounds: int, batch: int = 256) -> list[float]:
     """CPU seconds of ``Aggregator.process`` over every chunk packet of one round, per round."""
-    from aggregator.state import Aggregator
+    from aggregator.engine import Aggregator
     from worker_lib.wire import header_view
 
     k = 1024
@@ -240,7 +240,8 @@ def _dar_messages(codec: str, d: int, workers: int) -> list:
 def _dar_round_cpu(codec: str, d: int, msgs: list, rounds: int, batch: int = 256) -> tuple[list[float], list[float]]:
     """(CPU seconds of ``DarAggregator.process`` over a round's fragments, of which decode + sum +
     re-encode) per round."""
-    from aggregator.dar import FRAGMENT_OVERHEAD, DarAggregator, DarCounter
+    from aggregator.dar import FRAGMENT_OVERHEAD, DarAggregator
+    from worker_lib.wire.protocol import DarCounter
 
     workers = len(msgs)
     biggest = max(m.nbytes for m in msgs)

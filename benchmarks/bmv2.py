@@ -40,12 +40,12 @@ from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 from scapy.packet import Raw
 
-from aggregator.jobs import JobConfig
 from aggregator.p4rt import ThcSwitch
 from topologies.bmv2 import Bmv2Config, Bmv2Switch, compile_program
 from topologies.netns import PACKET_OUTGOING
 from topologies.nsstar import SERVICE_IP, SWITCH_MAC, NsStar
-from worker_lib.wire import PacketType, build_packet, pack_indices_np
+from worker_lib.job import JobConfig
+from worker_lib.wire import Header, PacketType, pack_indices_np
 from worker_lib.wire.layout import THC_UDP_PORT
 
 log = logging.getLogger("benchmarks.bmv2")
@@ -95,9 +95,9 @@ def run(workers: int, chunks: int, elems: int, bits: int, slots: int, workdir: P
                 for c in range(chunks):
                     for h in star.hosts:
                         idx = rng.integers(0, 1 << bits, elems, dtype=np.uint8)
-                        thc = build_packet(pack_indices_np(idx, bits).tobytes(), type=PacketType.DATA, job=cfg.job,
-                                           key=cfg.key, table_id=cfg.table_id, worker=h.port, slot=c % slots,
-                                           round=(c // slots) & 0xFFFF, chunk=c, elems=elems, width=bits)
+                        thc = Header(type=PacketType.DATA, job=cfg.job, key=cfg.key, table_id=cfg.table_id,
+                                     worker=h.port, slot=c % slots, round=(c // slots) & 0xFFFF, chunk=c, elems=elems,
+                                     width=bits).pack(pack_indices_np(idx, bits).tobytes())
                         thc_frames.append((h.port, bytes(
                             Ether(src=h.mac, dst=SWITCH_MAC) / IP(src=h.ip, dst=SERVICE_IP)
                             / UDP(sport=40000 + h.port, dport=THC_UDP_PORT) / Raw(thc))))

@@ -31,9 +31,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from aggregator.jobs import IP_UDP_OVERHEAD, JobConfig
 from topologies.netem import NetemConfig, NetemError, Topology, require_root
 from topologies.netem.ddp import run_training, start_aggregator
+from worker_lib.job import IP_UDP_OVERHEAD, JobConfig
 from worker_lib.wire.layout import HEADER_BYTES
 
 MODES = ("thc", "thc-mcast", "int32", "int32-mcast", "gloo")

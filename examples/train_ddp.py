@@ -38,9 +38,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from aggregator.jobs import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig
-from aggregator.launch import local_aggregator
+from launchers.aggregator_process import local_aggregator
 from worker_lib.ddp import AggregatorUnreachable, DDPHookConfig, THCHookState, register_thc_hook
+from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig
 
 log = logging.getLogger("train_ddp")
 _STORE_KEY = "thc/aggregator"

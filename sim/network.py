@@ -1,7 +1,7 @@
 """Workers and the reference aggregator connected in process, packet by packet, with seeded loss.
 
 This is the network of the simulations: every worker's norm and chunks become real THC packets
-(``worker_lib.wire``), go through ``aggregator.state.Aggregator`` (the state machine that
+(``worker_lib.wire``), go through ``aggregator.engine.Aggregator`` (the state machine that
 ``thc-aggregator`` serves and the P4 programs are held to), and the packets it emits come back.
 Uses of the slot pool follow docs/protocol.md: use u takes slot u mod S with round (u div S) mod 2^16,
 the norm stage of a tensor is one use and each chunk of K indices another.
@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aggregator.jobs import JobConfig
-from aggregator.state import Aggregator
-from worker_lib.wire.layout import HEADER_BYTES, ROUND_BITS, PacketType
+from aggregator.engine import Aggregator
+from worker_lib.job import JobConfig
+from worker_lib.wire.layout import HEADER_BYTES, PacketType
+from worker_lib.wire.protocol import use_slot_round
 from worker_lib.wire.serializer import (
     bits_float,
     build_batch,
@@ -84,7 +85,7 @@ class SimulatedNetwork:
     def _next_use(self) -> tuple[int, int]:
         u = self.uses
         self.uses += 1
-        return u % self.job.slots, (u // self.job.slots) % (1 << ROUND_BITS)
+        return use_slot_round(u, self.job.slots)
 
     def _run(self, rows: np.ndarray, senders: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """Feed packets through the aggregator; return (header, payload) of every packet delivered to

@@ -20,10 +20,10 @@ import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from aggregator.jobs import JobConfig
 from sim.data import Dataset, load_dataset, shard_indices
 from sim.models import make_model
 from sim.network import LinkLoss, NetworkStats, SimulatedNetwork
+from worker_lib.job import JobConfig
 from worker_lib.thc import THCConfig, THCWorker, next_pow2
 
 Compression = str  # "thc", "none", or a name from worker_lib.codecs.CODEC_NAMES

@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aggregator.jobs import JobConfig, JobConfigError, load_jobs, parse_job_spec
-from aggregator.launch import listening_port, stop_process
+from launchers.aggregator_process import listening_port, stop_process
+from worker_lib.job import JobConfig, JobConfigError, load_jobs, parse_job_spec
 from worker_lib.thc import lookup_sum
-from worker_lib.transport import JobParams, Transport, TransportConfig
-from worker_lib.wire import PacketType, build_packet, parse_packet
+from worker_lib.transport import Transport, TransportConfig
+from worker_lib.wire import Header, PacketType
 from worker_lib.wire.pcap import read_pcap
 
 K = 64
@@ -49,14 +49,9 @@ def free_tcp_port() -> int:
     return port
 
 
-def params(cfg: JobConfig) -> JobParams:
-    return JobParams(job=cfg.job, key=cfg.key, workers=cfg.workers, table_id=cfg.table_id, bits=cfg.bits,
-                     granularity=cfg.granularity, result_bits=cfg.result_bits, slots=cfg.slots, elems=cfg.elems)
-
-
 def norm_roundtrip(port: int, cfg: JobConfig, shards: int = 1, deadline: float = 3.0) -> float:
     """A 1-worker norm exchange (its own max) through the aggregator."""
-    with Transport(TransportConfig(params(cfg), worker=0, aggregator=("127.0.0.1", port), shards=shards,
+    with Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), shards=shards,
                                    deadline=deadline)) as tr:
         return tr.exchange_norm(2.5)[0]
 
@@ -81,8 +76,8 @@ def test_default_job_and_stats_interval() -> None:
         one = JobConfig(workers=1)  # same id and key, but n=1 is not what the server has
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         s.sendto(b"\x01junk", ("127.0.0.1", port))
-        s.sendto(build_packet(b"\0\0\0\1", type=PacketType.NORM, job=default.job, key=default.key,
-                              table_id=default.table_id, worker=9, elems=1, width=32), ("127.0.0.1", port))
+        s.sendto(Header(type=PacketType.NORM, job=default.job, key=default.key, table_id=default.table_id, worker=9,
+                        elems=1, width=32).pack(b"\0\0\0\1"), ("127.0.0.1", port))
         s.close()
         assert one.key == default.key
         time.sleep(0.6)
@@ -163,7 +158,7 @@ def test_shards_serve_their_slots_exactly() -> None:
     with aggregator("--job", spec(cfg), "--shards", "2") as (_proc, port):
         import threading
 
-        trs = [Transport(TransportConfig(params(cfg), worker=w, aggregator=("127.0.0.1", port), shards=2))
+        trs = [Transport(TransportConfig(cfg, worker=w, aggregator=("127.0.0.1", port), shards=2))
                for w in range(2)]
         out: list = [None, None]
         ths = [threading.Thread(target=lambda w=w: out.__setitem__(w, trs[w].exchange_indices(idx[w])))
@@ -177,20 +172,20 @@ def test_shards_serve_their_slots_exactly() -> None:
         # slot 1 belongs to shard 1: shard 0 must drop it (no answer), shard 1 answers.
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         s.settimeout(0.3)
-        pkt = build_packet(b"\x40\0\0\0", type=PacketType.NORM, job=cfg.job, key=cfg.key, table_id=cfg.table_id,
-                           worker=0, slot=1, round=100, elems=1, width=32)
+        pkt = Header(type=PacketType.NORM, job=cfg.job, key=cfg.key, table_id=cfg.table_id, worker=0, slot=1,
+                     round=100, elems=1, width=32).pack(b"\x40\0\0\0")
         s.sendto(pkt, ("127.0.0.1", port))
         with pytest.raises(TimeoutError):
             s.recv(100)
         s.sendto(pkt, ("127.0.0.1", port + 1))
-        s.sendto(build_packet(b"\x40\0\0\0", type=PacketType.NORM, job=cfg.job, key=cfg.key,
-                              table_id=cfg.table_id, worker=1, slot=1, round=100, elems=1, width=32),
+        s.sendto(Header(type=PacketType.NORM, job=cfg.job, key=cfg.key, table_id=cfg.table_id, worker=1, slot=1,
+                        round=100, elems=1, width=32).pack(b"\x40\0\0\0"),
                  ("127.0.0.1", port + 1))
-        hdr, _ = parse_packet(s.recv(100))
+        hdr, _ = Header.parse(s.recv(100))
         s.close()
     want = lookup_sum(cfg.values(), np.stack(idx)).reshape(-1, K)
     assert all(np.array_equal(o.sums, want) for o in out)
-    assert hdr["type"] == PacketType.NORM_RESULT and hdr["contributors"] == 2
+    assert hdr.type == PacketType.NORM_RESULT and hdr.contributors == 2
 
 
 def test_pcap_written_and_readable(tmp_path: Path) -> None:
@@ -206,10 +201,10 @@ def test_pcap_written_and_readable(tmp_path: Path) -> None:
     outs = [c for c in caps if c.src == ("127.0.0.1", port)]
     assert ins and len(ins) == len(outs) == len(caps) // 2  # a retransmission under load adds a pair
     for c in ins:
-        assert parse_packet(c.payload)[0]["type"] == PacketType.NORM
+        assert Header.parse(c.payload)[0].type == PacketType.NORM
     for c in outs:
-        hdr, payload = parse_packet(c.payload)
-        assert hdr["type"] == PacketType.NORM_RESULT and c.dst == ins[0].src
+        hdr, payload = Header.parse(c.payload)
+        assert hdr.type == PacketType.NORM_RESULT and c.dst == ins[0].src
         assert payload == np.float32(2.5).byteswap().tobytes()
 
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from aggregator.launch import listening_port, stop_process
-from worker_lib.wire import PacketType, parse_packet
+from launchers.aggregator_process import listening_port, stop_process
+from worker_lib.wire import Header, PacketType
 from worker_lib.wire.pcap import read_pcap
 
 
 def allreduce(*args: str, timeout: float = 120) -> dict:
-    r = subprocess.run([sys.executable, "-m", "aggregator.allreduce_cli", "--json", *args],
+    r = subprocess.run([sys.executable, "-m", "launchers.allreduce", "--json", *args],
                        capture_output=True, text=True, timeout=timeout)
     assert r.returncode in (0, 1), r.stderr
     return json.loads(r.stdout)
@@ -68,9 +68,9 @@ def test_against_a_running_aggregator_default_job(tmp_path: Path) -> None:
             up = [c for c in caps if c.dst == ("127.0.0.1", port)]
             down = [c for c in caps if c.src == ("127.0.0.1", port)]
             assert len(up) + len(down) == len(caps) and up and down
-            assert {parse_packet(c.payload)[0]["worker"] for c in up} == {w}
-            assert {parse_packet(c.payload)[0]["type"] for c in up} == {PacketType.DATA, PacketType.NORM}
-            assert {parse_packet(c.payload)[0]["type"] for c in down} <= {PacketType.RESULT, PacketType.NORM_RESULT,
+            assert {Header.parse(c.payload)[0].worker for c in up} == {w}
+            assert {Header.parse(c.payload)[0].type for c in up} == {PacketType.DATA, PacketType.NORM}
+            assert {Header.parse(c.payload)[0].type for c in down} <= {PacketType.RESULT, PacketType.NORM_RESULT,
                                                                           PacketType.STRAGGLER}
             sent += len(up)
             received += len(down)
@@ -82,13 +82,13 @@ def test_against_a_running_aggregator_default_job(tmp_path: Path) -> None:
 
 def test_summary_and_help() -> None:
     """The human summary names exactness and NMSE; --help documents the options; bad input is clear."""
-    r = subprocess.run([sys.executable, "-m", "aggregator.allreduce_cli", "--workers", "2", "--dim", "5000"],
+    r = subprocess.run([sys.executable, "-m", "launchers.allreduce", "--workers", "2", "--dim", "5000"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "exact         True" in r.stdout and "NMSE" in r.stdout
-    h = subprocess.run([sys.executable, "-m", "aggregator.allreduce_cli", "--help"], capture_output=True, text=True,
+    h = subprocess.run([sys.executable, "-m", "launchers.allreduce", "--help"], capture_output=True, text=True,
                        timeout=60)
     assert "--loss-policy" in h.stdout and "--aggregator" in h.stdout
-    bad = subprocess.run([sys.executable, "-m", "aggregator.allreduce_cli", "--workers", "40"], capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "launchers.allreduce", "--workers", "40"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "workers must be in 1..32" in bad.stderr
 

@@ -33,17 +33,18 @@ from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 from scapy.packet import Raw
 
-from aggregator.jobs import JobConfig, job_from_mapping
+from aggregator.engine import Aggregator
 from aggregator.p4rt import SwitchRejected, ThcSwitch
-from aggregator.state import Aggregator, Counter
+from tests.p4_support import need_root, need_tools
 from tests.scenarios import A_B, JOB, SCENARIOS, A, B, C
-from tests.test_p4_support import need_root, need_tools
 from topologies.bmv2 import Bmv2Config, Bmv2Switch, CompiledProgram, compile_program
 from topologies.netns import PACKET_OUTGOING
 from topologies.nsstar import SERVICE_IP, SWITCH_MAC, Host, NsStar
 from topologies.worker import worker_indices, worker_norm
-from worker_lib.wire import PacketType, bits_float, build_packet, float_bits, pack_indices_np, parse_packet
+from worker_lib.job import JobConfig, job_from_mapping
+from worker_lib.wire import Header, PacketType, bits_float, float_bits, pack_indices_np
 from worker_lib.wire.layout import THC_UDP_PORT, field_offsets
+from worker_lib.wire.protocol import Counter
 
 ROOT = Path(__file__).resolve().parent.parent
 PORTS = 4
@@ -164,7 +165,7 @@ def thc_bytes(send: dict, jobs: dict[int, JobConfig]) -> bytes:
         payload = pack_indices_np(np.asarray(send["indices"]), cfg.bits).tobytes()
         fields.setdefault("elems", len(send["indices"]))
         fields.setdefault("width", cfg.bits)
-    pkt = build_packet(payload, **fields)
+    pkt = Header(**fields).pack(payload)
     pkt = pkt[: len(pkt) - send.get("truncate", 0)]
     return pkt + bytes(send.get("extra", 0))
 
@@ -201,15 +202,15 @@ def unwrap(port: int, frame: bytes, host: Host) -> bytes:
 
 def check_thc(data: bytes, want: dict, cfg: JobConfig, where: str) -> None:
     """The answer's THC header and payload are what the scenario lists."""
-    hdr, payload = parse_packet(data)
-    assert hdr["type"] == PacketType[want["type"]], f"{where}: type {hdr['type']}"
+    hdr, payload = Header.parse(data)
+    assert hdr.type == PacketType[want["type"]], f"{where}: type {hdr.type}"
     for name, value in want.items():
         if name in ("to", "type", "sums", "norm", "ints"):
             continue
-        assert hdr[name] == value, f"{where}: field {name} = {hdr[name]}, expected {value}"
-    assert hdr["key"] == cfg.key
+        assert getattr(hdr, name) == value, f"{where}: field {name} = {getattr(hdr, name)}, expected {value}"
+    assert hdr.key == cfg.key
     if "sums" in want:
-        assert hdr["width"] == cfg.result_bits and hdr["elems"] == len(want["sums"])
+        assert hdr.width == cfg.result_bits and hdr.elems == len(want["sums"])
         assert np.frombuffer(payload, {8: ">u1", 16: ">u2"}[cfg.result_bits]).tolist() == want["sums"], \
             f"{where}: sums"
     if "norm" in want:
@@ -348,15 +349,15 @@ def test_four_workers_allreduce_bit_exact(rig: Rig) -> None:
     for _, d in rx:
         ref_answers.update(data for _, data in ref.handle(d))
     bmv2_answers = set(tx)
-    completions = {(h["slot"], h["round"], h["tensor"], h["chunk"], h["type"])
-                   for h, _ in map(parse_packet, bmv2_answers) if h["type"] == PacketType.RESULT}
+    completions = {(h.slot, h.round, h.tensor, h.chunk, h.type)
+                   for h, _ in map(Header.parse, bmv2_answers) if h.type == PacketType.RESULT}
     assert len(completions) == chunks
     # An answer echoes the worker id of the packet that caused it; which of the four packets completed a
     # round depends on arrival order across ports, which the per-port pcaps' timestamps do not fix. So the
     # worker byte is compared as "one of the contributors"; every other byte must be identical.
     for data in bmv2_answers:
-        h, _ = parse_packet(data)
-        assert h["bitmap"] >> h["worker"] & 1, "an answer echoes a worker that did not contribute"
+        h, _ = Header.parse(data)
+        assert h.bitmap >> h.worker & 1, "an answer echoes a worker that did not contribute"
     assert {mask_worker(d) for d in bmv2_answers} == {mask_worker(d) for d in ref_answers}
     st = rig.ctl.stats()
     assert st["COMPLETED"] == chunks + 1 == int(ref.counters[Counter.COMPLETED])
@@ -383,8 +384,8 @@ def test_reconfiguring_a_job_resets_its_slots(rig: Rig) -> None:
     got = rig.collect(0) + send(0, A)
     assert sorted(p for p, _ in got) == [0, 1]
     for port, frame in got:
-        hdr, payload = parse_packet(unwrap(port, frame, hosts[port]))
-        assert hdr["contributors"] == 2 and np.frombuffer(payload, ">u1").tolist() == A_B
+        hdr, payload = Header.parse(unwrap(port, frame, hosts[port]))
+        assert hdr.contributors == 2 and np.frombuffer(payload, ">u1").tolist() == A_B
 
 
 def test_register_reads_are_explained_on_bmv2(rig: Rig) -> None:

@@ -4,7 +4,7 @@ The fake server checks every write against the P4Info of the program (table, fie
 parameter ids and widths; duplicate inserts; modifies/deletes of missing entries), stores the entries,
 answers reads and arbitration, and records every request; the tests assert the exact entries and
 multicast groups written for a job description. The P4Info is the one p4c-bm2-ss writes for
-p4/bmv2/thc.p4, checked in as p4/bmv2/thc.p4info.txtpb (tests/test_p4_program.py checks it is current
+p4src/bmv2/thc.p4, checked in as p4src/bmv2/thc.p4info.txtpb (tests/test_p4_program.py checks it is current
 where p4c exists).
 """
 
@@ -24,7 +24,6 @@ from google.rpc import code_pb2, status_pb2
 from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2, p4runtime_pb2_grpc
 
-from aggregator.jobs import JobConfig
 from aggregator.p4rt import (
     JobRefused,
     NotPrimary,
@@ -36,12 +35,13 @@ from aggregator.p4rt import (
     ThcSwitch,
     wait_for_port,
 )
-from aggregator.state import Counter
-from tests.test_p4_support import CHECKED_IN_P4INFO
+from tests.p4_support import CHECKED_IN_P4INFO
+from worker_lib.job import JobConfig
 from worker_lib.thc import solve_table
+from worker_lib.wire.protocol import Counter
 
 if not CHECKED_IN_P4INFO.exists():
-    pytest.skip(f"{CHECKED_IN_P4INFO} is missing (compile p4/bmv2/thc.p4 with p4c-bm2-ss)", allow_module_level=True)
+    pytest.skip(f"{CHECKED_IN_P4INFO} is missing (compile p4src/bmv2/thc.p4 with p4c-bm2-ss)", allow_module_level=True)
 
 P4INFO = text_format.Parse(CHECKED_IN_P4INFO.read_text(), p4info_pb2.P4Info())
 

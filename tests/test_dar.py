@@ -23,13 +23,14 @@ import numpy as np
 import pytest
 import torch
 
-from aggregator.dar import DarAggregator, DarCounter
-from aggregator.jobs import JobConfig, JobConfigError, load_jobs, parse_job_spec
-from aggregator.launch import listening_port, stop_process
-from aggregator.state import Aggregator, Counter
+from aggregator.dar import DarAggregator
+from aggregator.engine import Aggregator
+from launchers.aggregator_process import listening_port, stop_process
 from worker_lib.codecs import Message, RoundContext, make_codec
-from worker_lib.transport import AggregatorUnreachable, JobParams, MessageResult, Transport, TransportConfig
-from worker_lib.wire import PacketType, build_packet, parse_packet
+from worker_lib.job import JobConfig, JobConfigError, load_jobs, parse_job_spec
+from worker_lib.transport import AggregatorUnreachable, MessageResult, Transport, TransportConfig
+from worker_lib.wire import Header, PacketType
+from worker_lib.wire.protocol import Counter, DarCounter, fragment_count
 
 D = 2048
 JOB = 7
@@ -90,15 +91,13 @@ def run_workers(port: int, cfg: JobConfig, msgs: list[list[Message]], **transpor
                 ) -> tuple[list[list[MessageResult]], list[dict[str, int]]]:
     """Every worker (a thread with its own Transport) exchanges its message of every use in order."""
     n = cfg.workers
-    params = JobParams(job=cfg.job, key=cfg.key, workers=n, kind="dar", slots=cfg.slots, elems=cfg.elems,
-                       max_message=cfg.max_message)
     results: list[list[MessageResult | None]] = [[None] * n for _ in msgs]
     stats: list[dict[str, int]] = [{} for _ in range(n)]
     errors: list[BaseException] = []
 
     def worker(w: int) -> None:
         try:
-            with Transport(TransportConfig(params, worker=w, aggregator=("127.0.0.1", port), deadline=8.0,
+            with Transport(TransportConfig(cfg, worker=w, aggregator=("127.0.0.1", port), deadline=8.0,
                                            **transport)) as tr:
                 for u, row in enumerate(msgs):
                     results[u][w] = tr.exchange_message(row[w].payload, row[w].bits, tensor=u)
@@ -183,10 +182,8 @@ def test_zero_fill_gives_up_and_silence_is_unreachable() -> None:
     spec = dar_spec(codec, 2)
     cfg = parse_job_spec(spec)
     (m0, _m1), = messages(codec, 2, uses=1)
-    params = JobParams(job=cfg.job, key=cfg.key, workers=2, kind="dar", slots=cfg.slots, elems=cfg.elems,
-                       max_message=cfg.max_message)
     with aggregator("--job", spec) as (_proc, port, ctrl):
-        with Transport(TransportConfig(params, worker=0, aggregator=("127.0.0.1", port), loss_policy="zero-fill",
+        with Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), loss_policy="zero-fill",
                                        retries=2, timeout=0.05)) as tr:
             got = tr.exchange_message(m0.payload, m0.bits)
             assert (got.payload.size, got.bits, got.contributors) == (0, 0, 0)
@@ -195,7 +192,7 @@ def test_zero_fill_gives_up_and_silence_is_unreachable() -> None:
     assert stats["dar_messages"] == 1 and stats["dar_completed"] == 0 and stats["dar_duplicate"] > 0
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as silent:
         silent.bind(("127.0.0.1", 0))
-        with Transport(TransportConfig(params, worker=0, aggregator=silent.getsockname(), deadline=0.3)) as tr, \
+        with Transport(TransportConfig(cfg, worker=0, aggregator=silent.getsockname(), deadline=0.3)) as tr, \
                 pytest.raises(AggregatorUnreachable, match="no answer"):
             tr.exchange_message(m0.payload, m0.bits)
 
@@ -214,11 +211,11 @@ def hostile_packets(cfg: JobConfig) -> dict[str, list[bytes]]:
 
     def frag(bits: int, frags: int, chunk: int, body: bytes, **over: int) -> bytes:
         fields = {**base, "chunk": chunk, "elems": len(body), **over}
-        return build_packet(np.array([bits, frags], ">u4").tobytes() + body, **fields)
+        return Header(**fields).pack(np.array([bits, frags], ">u4").tobytes() + body)
 
     big = 8 * (cfg.max_message + 1)
     return {
-        "short": [build_packet(b"", **base)[:20], build_packet(b"\0\0\0", **base)],
+        "short": [Header(**base).pack(b"")[:20], Header(**base).pack(b"\0\0\0")],
         "unknown_job": [frag(8, 1, 0, b"\1", job=cfg.job + 1)],
         "bad_key": [frag(8, 1, 0, b"\1", key=cfg.key ^ 1)],
         "bad_worker": [frag(8, 1, 0, b"\1", worker=cfg.workers)],
@@ -305,19 +302,19 @@ def fragments(cfg: JobConfig, msg: Message, worker: int, slot: int = 0, rnd: int
               bits: int | None = None) -> list[bytes]:
     per = cfg.elems
     nbytes = msg.nbytes
-    frags = max(1, -(-nbytes // per))
+    frags = fragment_count(nbytes, per)
     prefix = np.array([msg.bits if bits is None else bits, frags], ">u4").tobytes()
-    return [build_packet(prefix + msg.payload[k * per:(k + 1) * per].tobytes(), type=PacketType.DAR_DATA,
-                         job=cfg.job, key=cfg.key, worker=worker, slot=slot, round=rnd, chunk=k,
-                         elems=min(per, nbytes - k * per), width=8) for k in range(frags)]
+    return [Header(type=PacketType.DAR_DATA, job=cfg.job, key=cfg.key, worker=worker, slot=slot, round=rnd, chunk=k,
+                   elems=min(per, nbytes - k * per), width=8)
+            .pack(prefix + msg.payload[k * per:(k + 1) * per].tobytes()) for k in range(frags)]
 
 
 def result_of(packets: list[tuple[bool, bytes]]) -> tuple[bytes, int, list[int], int]:
     """(message bytes, bits, fragment indices, contributors) of DAR_RESULT packets, in fragment order."""
-    parsed = sorted((parse_packet(p) for _, p in packets), key=lambda hp: hp[0]["chunk"])
-    assert all(h["type"] == PacketType.DAR_RESULT for h, _ in parsed)
+    parsed = sorted((Header.parse(p) for _, p in packets), key=lambda hp: hp[0].chunk)
+    assert all(h.type == PacketType.DAR_RESULT for h, _ in parsed)
     bits = int(np.frombuffer(parsed[0][1][:4], ">u4")[0])
-    return b"".join(p[PREFIX:] for _, p in parsed), bits, [h["chunk"] for h, _ in parsed], parsed[0][0]["contributors"]
+    return b"".join(p[PREFIX:] for _, p in parsed), bits, [h.chunk for h, _ in parsed], parsed[0][0].contributors
 
 
 def test_state_table_duplicates_inconsistent_retained_straggler_newer() -> None:
@@ -351,8 +348,8 @@ def test_state_table_duplicates_inconsistent_retained_straggler_newer() -> None:
     for p in fragments(cfg, m1, 0, rnd=1)[:2] + fragments(cfg, m1, 0, rnd=2)[:1]:
         assert agg.handle(p) == []
     (straggler,) = agg.handle(f1[0])
-    hdr, _ = parse_packet(straggler[1])
-    assert hdr["type"] == PacketType.STRAGGLER and hdr["round"] == 2 and not straggler[0]
+    hdr, _ = Header.parse(straggler[1])
+    assert hdr.type == PacketType.STRAGGLER and hdr.round == 2 and not straggler[0]
     assert c[DarCounter.NEW_ROUND] == 3 and c[DarCounter.STRAGGLER] == 1
 
 
@@ -378,8 +375,8 @@ def test_switch_state_machine_drops_dar_types_as_bad_type() -> None:
     cfg = JobConfig(job=1, workers=1, slots=4, elems=64)
     agg = Aggregator([cfg])
     for t in (PacketType.DAR_DATA, PacketType.DAR_RESULT):
-        assert agg.handle(build_packet(b"\0" * 9, type=t, job=1, key=cfg.key, table_id=cfg.table_id, elems=1,
-                                       width=8)) == []
+        packet = Header(type=t, job=1, key=cfg.key, table_id=cfg.table_id, elems=1, width=8).pack(b"\0" * 9)
+        assert agg.handle(packet) == []
     assert agg.counters[Counter.BAD_TYPE] == 2
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from aggregator.jobs import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig
-from aggregator.launch import job_spec, listening_port
+from launchers.aggregator_process import job_spec, listening_port
 from worker_lib.ddp import DEFAULT_JOB, DDPHookConfig, THCHookState
 from worker_lib.ddp import DEFAULT_KEY as HOOK_DEFAULT_KEY
+from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
@@ -277,7 +277,7 @@ def test_config_validation_and_defaults() -> None:
     with pytest.raises(ValueError):
         DDPHookConfig(bits=0)
     job = JobConfig(workers=3)
-    assert DDPHookConfig().job_params(3).table_id == job.table_id  # the hook's table is the aggregator's
+    assert DDPHookConfig().job_config(3).table_id == job.table_id  # the hook's table is the aggregator's
 
 
 def test_example_help_and_without_torchrun() -> None:

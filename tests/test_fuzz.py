@@ -10,9 +10,10 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aggregator.jobs import JobConfig
-from aggregator.state import Aggregator, Counter
-from worker_lib.wire import HEADER_BYTES, PacketType, build_packet, pack_indices_np, parse_packet
+from aggregator.engine import Aggregator
+from worker_lib.job import JobConfig
+from worker_lib.wire import HEADER_BYTES, Header, PacketType, pack_indices_np
+from worker_lib.wire.protocol import Counter
 
 K = 8
 CFG = JobConfig(job=4, key=0xABCD, workers=3, threshold=2, bits=2, granularity=10, table=(0, 2, 7, 10), slots=2,
@@ -31,7 +32,7 @@ def test_random_bytes_never_crash_and_are_counted(packets: list[bytes]) -> None:
         buf[i, : len(p)] = np.frombuffer(p, np.uint8)
     agg.process(buf, np.array([len(p) for p in packets]))
     c = agg.counters
-    from aggregator.state import DROP_COUNTERS
+    from worker_lib.wire.protocol import DROP_COUNTERS
 
     assert c[Counter.RX] == len(packets)
     assert sum(int(c[d]) for d in DROP_COUNTERS) + sum(int(c[o]) for o in OUTCOMES) == len(packets)
@@ -128,8 +129,8 @@ def _check_against_model(pkts: list[dict], batch: int, threshold: int, path: dic
         else:
             payload = p["norm_bits"].to_bytes(4, "big")
             fields = {"elems": 1, "width": 32}
-        wires.append(build_packet(payload, type=p["type"], job=CFG.job, key=CFG.key, table_id=CFG.table_id,
-                                  worker=p["worker"], slot=p["slot"], round=p["round"], **fields))
+        wires.append(Header(type=p["type"], job=CFG.job, key=CFG.key, table_id=CFG.table_id, worker=p["worker"],
+                            slot=p["slot"], round=p["round"], **fields).pack(payload))
     for start in range(0, len(pkts), batch):
         chunk = wires[start:start + batch]
         buf = np.zeros((len(chunk), agg.stride), np.uint8)
@@ -144,17 +145,17 @@ def _check_against_model(pkts: list[dict], batch: int, threshold: int, path: dic
         assert sorted(got) == sorted(expect)
         for i, (fan, data) in got.items():
             efan, ebank = expect[i]
-            hdr, payload = parse_packet(data)
+            hdr, payload = Header.parse(data)
             assert fan == efan
             if "straggler" in ebank:
-                assert hdr["type"] == PacketType.STRAGGLER and hdr["round"] == ebank["straggler"]
+                assert hdr.type == PacketType.STRAGGLER and hdr.round == ebank["straggler"]
                 continue
-            assert hdr["round"] == ebank["round"] and hdr["contributors"] == len(ebank["members"])
-            assert hdr["bitmap"] == sum(1 << m for m in ebank["members"])
+            assert hdr.round == ebank["round"] and hdr.contributors == len(ebank["members"])
+            assert hdr.bitmap == sum(1 << m for m in ebank["members"])
             if ebank["kind"] == PacketType.DATA:
-                assert hdr["type"] == PacketType.RESULT and list(payload) == ebank["vals"]
+                assert hdr.type == PacketType.RESULT and list(payload) == ebank["vals"]
             else:
-                assert hdr["type"] == PacketType.NORM_RESULT and int.from_bytes(payload, "big") == ebank["vals"][0]
+                assert hdr.type == PacketType.NORM_RESULT and int.from_bytes(payload, "big") == ebank["vals"][0]
 
 
 def _wire(p: dict) -> bytes:
@@ -162,8 +163,8 @@ def _wire(p: dict) -> bytes:
         payload, fields = pack_indices_np(np.array(p["indices"]), CFG.bits).tobytes(), {"elems": K, "width": CFG.bits}
     else:
         payload, fields = p["norm_bits"].to_bytes(4, "big"), {"elems": 1, "width": 32}
-    return build_packet(payload, type=p["type"], job=CFG.job, key=CFG.key, table_id=CFG.table_id,
-                        worker=p["worker"], slot=p["slot"], round=p["round"], **fields)
+    return Header(type=p["type"], job=CFG.job, key=CFG.key, table_id=CFG.table_id, worker=p["worker"], slot=p["slot"],
+                  round=p["round"], **fields).pack(payload)
 
 
 # Up to three byte writes (header fields, norm bytes, payload) or a truncation: two wrong fields at

@@ -113,8 +113,8 @@ def test_everything_is_removed() -> None:
 def test_ddp_across_namespaces_multicast_and_loss(tmp_path: Path) -> None:
     """train_ddp.py with torchrun --nnodes 2 (one namespace per node, unchanged), the aggregator in its own
     namespace sending results by IP multicast, 5 % loss on w1's link: parameters identical after every step."""
-    from aggregator.jobs import JobConfig
     from topologies.netem.ddp import run_training, start_aggregator
+    from worker_lib.job import JobConfig
 
     group = "239.9.9.9:9600"
     cfg = NetemConfig(workers=2, rate_mbit=200, loss_percent={"w1": 5}, prefix="thctd")

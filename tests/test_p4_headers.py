@@ -6,11 +6,11 @@ import re
 
 import pytest
 
-from aggregator.state import Counter
-from tests.test_p4_support import INCLUDE_DIR, load_script
+import p4gen.headers as gen
+from tests.p4_support import INCLUDE_DIR
 from worker_lib.wire.layout import FIELDS, HEADER_BYTES, THC_UDP_PORT, VERSION, Field, PacketType
+from worker_lib.wire.protocol import Counter
 
-gen = load_script("gen_headers")
 HEADER_FILE = INCLUDE_DIR / "thc_headers.p4"
 
 
@@ -32,8 +32,8 @@ def parse_consts(text: str) -> dict[str, int]:
 
 
 def test_checked_in_header_file_is_current() -> None:
-    """p4/include/thc_headers.p4 is exactly what p4/gen_headers.py produces from the layout now."""
-    assert HEADER_FILE.read_text() == gen.render(), "run: python p4/gen_headers.py"
+    """p4src/include/thc_headers.p4 is exactly what p4gen/headers.py produces from the layout now."""
+    assert HEADER_FILE.read_text() == gen.render(), "run: python -m p4gen.headers"
 
 
 def test_header_fields_match_layout_in_name_width_and_order() -> None:

@@ -6,16 +6,16 @@ import re
 
 import pytest
 
+import p4gen.bmv2 as gen
+from tests.p4_support import CHECKED_IN_P4INFO, P4_DIR, compile_bmv2
 from tests.test_p4_headers import parse_header
-from tests.test_p4_support import CHECKED_IN_P4INFO, P4_DIR, compile_bmv2, load_script
 
-gen = load_script("gen_bmv2")
 PROGRAM = P4_DIR / "bmv2" / "thc.p4"
 
 
 def test_checked_in_program_is_current() -> None:
-    """p4/bmv2/thc.p4 is exactly what p4/gen_bmv2.py renders from the template with the defaults."""
-    assert PROGRAM.read_text() == gen.render(), "run: python p4/gen_bmv2.py"
+    """p4src/bmv2/thc.p4 is exactly what p4gen/bmv2.py renders from the template with the defaults."""
+    assert PROGRAM.read_text() == gen.render(), "run: python -m p4gen.bmv2"
 
 
 @pytest.mark.parametrize(("elems", "bits", "rbits"), [(8, 2, 8), (32, 4, 8), (64, 4, 16), (16, 8, 16)])
@@ -52,7 +52,7 @@ def test_program_compiles_without_warnings(tmp_path) -> None:
     warnings = [ln for ln in log.splitlines() if "warning" in ln.lower()]
     assert not warnings, "\n".join(warnings)
     assert p4info.read_text() == CHECKED_IN_P4INFO.read_text(), \
-        "p4/bmv2/thc.p4info.txtpb is stale: copy the P4Info p4c writes for p4/bmv2/thc.p4"
+        "p4src/bmv2/thc.p4info.txtpb is stale: copy the P4Info p4c writes for p4src/bmv2/thc.p4"
 
 
 @pytest.mark.parametrize(("elems", "rbits"), [(64, 16)])

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from aggregator.jobs import JobConfig
+import p4gen.tofino as gen
 from aggregator.p4rt.bfrt import EGRESS_REGISTERS, INGRESS_REGISTERS, TofinoJob, TofinoPlan, bfrt_load_script
+from tests.p4_support import INCLUDE_DIR, P4_DIR
 from tests.test_p4_headers import parse_consts, parse_header
-from tests.test_p4_support import INCLUDE_DIR, P4_DIR, load_script
+from worker_lib.job import JobConfig
 from worker_lib.wire.layout import MAX_WORKERS
 
-gen = load_script("gen_tofino")
 PROGRAM = P4_DIR / "tofino" / "thc.p4"
 TNA_DIRS = ("/usr/local/share/p4c/tna-include", "/usr/share/p4c/tna-include")
 
@@ -52,15 +52,15 @@ def p4test_path() -> str:
 
 
 def run_p4test(program: Path) -> subprocess.CompletedProcess[str]:
-    """p4test -D__TARGET_TOFINO__=1 -I <tna> -I p4/include <program> (its own directory is searched too)."""
+    """p4test -D__TARGET_TOFINO__=1 -I <tna> -I p4src/include <program> (its own directory is searched too)."""
     cmd = [p4test_path(), "-D__TARGET_TOFINO__=1", "-I", str(tna_include_dir()), "-I", str(INCLUDE_DIR),
            str(program)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
 
 
 def test_checked_in_program_is_current() -> None:
-    """p4/tofino/thc.p4 is exactly what p4/gen_tofino.py renders from the template with the defaults."""
-    assert PROGRAM.read_text() == gen.render(), "run: python p4/gen_tofino.py"
+    """p4src/tofino/thc.p4 is exactly what p4gen/tofino.py renders from the template with the defaults."""
+    assert PROGRAM.read_text() == gen.render(), "run: python -m p4gen.tofino"
 
 
 def test_gen_check_flag_detects_a_stale_file(tmp_path: Path) -> None:
@@ -73,7 +73,7 @@ def test_gen_check_flag_detects_a_stale_file(tmp_path: Path) -> None:
 
 
 def test_program_uses_the_shared_headers_and_parser() -> None:
-    """The THC header comes from p4/include (generated from the wire layout), not a copy: the Tofino
+    """The THC header comes from p4src/include (generated from the wire layout), not a copy: the Tofino
     program defines no thc_h of its own, includes thc_common.p4, and its ingress parser runs
     ThcHeaderParser; the egress parser stops after the THC header (Tofino 1's 160-byte parse depth),
     so it extracts no payload."""
@@ -140,7 +140,7 @@ def test_bad_geometry_is_refused(bad: dict) -> None:
 
 
 def test_p4test_front_end_accepts_the_program() -> None:
-    """p4c's front end (p4test) with tna.p4 accepts p4/tofino/thc.p4 without errors or warnings."""
+    """p4c's front end (p4test) with tna.p4 accepts p4src/tofino/thc.p4 without errors or warnings."""
     proc = run_p4test(PROGRAM)
     assert proc.returncode == 0, f"p4test failed:\n{proc.stderr}\n{proc.stdout}"
     assert "error" not in proc.stderr.lower() and "warning" not in proc.stderr.lower(), proc.stderr
@@ -237,7 +237,7 @@ def test_bf_p4c_compiles_for_tofino1(tmp_path: Path) -> None:
     bf = shutil.which("bf-p4c") or shutil.which("p4c-barefoot")
     if bf is None:
         pytest.skip("needs bf-p4c or p4c-barefoot (the Tofino compiler back end, p4c backends/tofino or Intel's "
-                    "SDE) on PATH; p4/tofino/README.md says what it reported of this program where it ran")
+                    "SDE) on PATH; p4src/tofino/README.md says what it reported of this program where it ran")
     out = tmp_path / "out"
     cmd = [bf, "--target", "tofino", "--arch", "tna", "-I", str(INCLUDE_DIR), "-o", str(out), str(PROGRAM)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)

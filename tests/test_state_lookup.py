@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggregator.state import _byte_lut, _value_dtype
+from aggregator.engine import _byte_lut, _value_dtype
 from worker_lib.wire import pack_indices_np
 
 

@@ -7,10 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from aggregator.jobs import job_from_mapping
-from aggregator.state import Aggregator, Counter
+from aggregator.engine import Aggregator
 from tests.scenarios import SCENARIOS
-from worker_lib.wire import PacketType, bits_float, build_packet, float_bits, pack_indices_np, parse_packet
+from worker_lib.job import job_from_mapping
+from worker_lib.wire import Header, PacketType, bits_float, float_bits, pack_indices_np
+from worker_lib.wire.protocol import Counter
 
 
 def _build(send: dict, jobs: dict) -> bytes:
@@ -36,7 +37,7 @@ def _build(send: dict, jobs: dict) -> bytes:
         payload = pack_indices_np(np.asarray(send["indices"]), cfg.bits).tobytes()
         fields.setdefault("elems", len(send["indices"]))
         fields.setdefault("width", cfg.bits)
-    pkt = build_packet(payload, **fields)
+    pkt = Header(**fields).pack(payload)
     pkt = pkt[: len(pkt) - send.get("truncate", 0)]
     return pkt + bytes(send.get("extra", 0))
 
@@ -44,16 +45,16 @@ def _build(send: dict, jobs: dict) -> bytes:
 def _check(got: tuple[bool, bytes], want: dict, jobs: dict, where: str) -> None:
     fanout, data = got
     assert fanout == (want["to"] == "all"), f"{where}: destination"
-    hdr, payload = parse_packet(data)
-    assert hdr["type"] == PacketType[want["type"]], f"{where}: type {hdr['type']}"
+    hdr, payload = Header.parse(data)
+    assert hdr.type == PacketType[want["type"]], f"{where}: type {hdr.type}"
     for name, value in want.items():
         if name in ("to", "type", "sums", "norm", "ints"):
             continue
-        assert hdr[name] == value, f"{where}: field {name} = {hdr[name]}, expected {value}"
-    cfg = jobs[hdr["job"]]
-    assert hdr["key"] == cfg.key
+        assert getattr(hdr, name) == value, f"{where}: field {name} = {getattr(hdr, name)}, expected {value}"
+    cfg = jobs[hdr.job]
+    assert hdr.key == cfg.key
     if "sums" in want:
-        assert hdr["width"] == cfg.result_bits and hdr["elems"] == len(want["sums"])
+        assert hdr.width == cfg.result_bits and hdr.elems == len(want["sums"])
         sums = np.frombuffer(payload, {8: ">u1", 16: ">u2", 32: ">u4"}[cfg.result_bits]).tolist()
         assert sums == want["sums"], f"{where}: sums"
     if "ints" in want:

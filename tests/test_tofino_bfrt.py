@@ -17,7 +17,7 @@ import pytest
 from google.protobuf import text_format
 from p4.config.v1 import p4info_pb2
 
-from aggregator.jobs import JobConfig
+import p4gen.tofino as gen_tofino
 from aggregator.p4rt import JobRefused, P4InfoIndex, ProgramGeometry
 from aggregator.p4rt.bfrt import (
     DEFAULT_TOFINO_GEOMETRY,
@@ -36,10 +36,10 @@ from aggregator.p4rt.bfrt import (
 from aggregator.p4rt.cli import main as cli_main
 from aggregator.p4rt.errors import SwitchError
 from aggregator.p4rt.thc import Placement, job_updates
-from aggregator.state import Counter
-from tests.test_p4_support import CHECKED_IN_P4INFO, P4_DIR, load_script
+from tests.p4_support import CHECKED_IN_P4INFO, P4_DIR
+from worker_lib.job import JobConfig
+from worker_lib.wire.protocol import Counter
 
-gen_tofino = load_script("gen_tofino")
 TOFINO_PROGRAM = P4_DIR / "tofino" / "thc.p4"
 GEN = 0x1234
 CALL = re.compile(r"^ing\.(\w+)\.add_with_(\w+)\((.*)\)$")
@@ -91,13 +91,13 @@ def expected_job_calls(cfg: JobConfig, job_index: int, slot_base: int, mcast_grp
 
 
 def test_default_geometry_is_the_generators() -> None:
-    """The control plane's Tofino geometry is the one p4/gen_tofino.py renders thc.p4 with."""
+    """The control plane's Tofino geometry is the one p4gen/tofino.py renders thc.p4 with."""
     g = gen_tofino.TofinoGeometry()
     assert DEFAULT_TOFINO_GEOMETRY == ProgramGeometry(g.elems, g.bits, g.result_bits, g.slots, g.jobs)
 
 
 def test_reset_covers_every_register_of_the_program() -> None:
-    """The load script clears every Register declared in p4/tofino/thc.p4 (ingress and egress), with the
+    """The load script clears every Register declared in p4src/tofino/thc.p4 (ingress and egress), with the
     data fields of its cell type, and nothing else."""
     text = TOFINO_PROGRAM.read_text()
     ingress, egress = text.split("control ThcEgress(", 1)
@@ -146,7 +146,7 @@ def test_both_targets_get_the_same_logical_entries() -> None:
     """The BMv2 P4Runtime updates (decoded through the P4Info) and the bfrt script hold the same
     entries for the same job and placement, and both equal the ones computed from the job's table."""
     if not CHECKED_IN_P4INFO.exists():
-        pytest.skip(f"{CHECKED_IN_P4INFO} is missing (compile p4/bmv2/thc.p4 with p4c-bm2-ss)")
+        pytest.skip(f"{CHECKED_IN_P4INFO} is missing (compile p4src/bmv2/thc.p4 with p4c-bm2-ss)")
     idx = P4InfoIndex(text_format.Parse(CHECKED_IN_P4INFO.read_text(), p4info_pb2.P4Info()))
     # The BMv2 program's geometry (K = 32) on both targets: the Tofino control plane takes any geometry.
     cfg, ports, geometry = sample_job(32), (5, 6, 9), ProgramGeometry.from_index(idx)
@@ -269,7 +269,7 @@ def test_with_an_sde_thc_switch_runs_the_scripts(tmp_path: Path, monkeypatch: py
 
 
 def test_script_names_exist_in_the_tofino_program() -> None:
-    """Every table, action, key and parameter the load script names is declared in p4/tofino/thc.p4 with
+    """Every table, action, key and parameter the load script names is declared in p4src/tofino/thc.p4 with
     that name (bfrt_python keys are the last component of the P4 key's name; LPM adds <key>_p_length,
     a ternary key <key>_mask and the entry MATCH_PRIORITY)."""
     code = re.sub(r"//[^\n]*|/\*.*?\*/", "", TOFINO_PROGRAM.read_text(), flags=re.S)

@@ -4,6 +4,7 @@ its counters can be read; tests/test_allreduce.py runs separate processes)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import select
 import socket
 import threading
@@ -14,21 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-from aggregator.jobs import JobConfig
 from aggregator.server import AggregatorServer, ServerConfig
-from aggregator.state import Counter
+from worker_lib.job import JobConfig
 from worker_lib.thc import SignKey, THCCodec, THCConfig, lookup_sum
-from worker_lib.transport import AggregatorUnreachable, JobParams, Transport, TransportConfig, UseResults
+from worker_lib.transport import AggregatorUnreachable, Transport, TransportConfig, UseResults
 from worker_lib.transport_thc import THCAllreduce
-from worker_lib.wire import build_packet
+from worker_lib.wire import Header
+from worker_lib.wire.protocol import Counter
 
 K = 64
-
-
-def params(cfg: JobConfig) -> JobParams:
-    return JobParams(job=cfg.job, key=cfg.key, workers=cfg.workers, table_id=cfg.table_id, kind=cfg.kind,
-                     bits=cfg.bits, granularity=cfg.granularity, result_bits=cfg.result_bits, slots=cfg.slots,
-                     elems=cfg.elems)
 
 
 @contextlib.contextmanager
@@ -50,7 +45,7 @@ def run_workers(srv: AggregatorServer, cfg: JobConfig, indices: list[np.ndarray]
                 **kw: object) -> tuple[list[UseResults], list[Transport]]:
     """Each listed worker exchanges its indices in its own thread; returns results and transports."""
     ids = list(range(cfg.workers)) if workers is None else workers
-    trs = [Transport(TransportConfig(params(cfg), worker=w, aggregator=("127.0.0.1", srv.port),
+    trs = [Transport(TransportConfig(cfg, worker=w, aggregator=("127.0.0.1", srv.port),
                                      shards=srv.cfg.shards, **kw)) for w in ids]
     out: list[UseResults | BaseException | None] = [None] * len(ids)
 
@@ -118,7 +113,7 @@ def test_lost_result_after_slot_moved_on_gets_shadow_copy() -> None:
     cfg = JobConfig(workers=3, slots=2, elems=K)
     idx = random_indices(cfg, 30, seed=5)
     with serving(cfg) as srv:
-        trs = [Transport(TransportConfig(params(cfg), worker=w, aggregator=("127.0.0.1", srv.port), timeout=0.02,
+        trs = [Transport(TransportConfig(cfg, worker=w, aggregator=("127.0.0.1", srv.port), timeout=0.02,
                                          drop_down=0.5 if w == 0 else 0.0, seed=11)) for w in range(3)]
         out: list[UseResults | None] = [None] * 3
         ths = [threading.Thread(target=lambda w=w: out.__setitem__(w, trs[w].exchange_indices(idx[w])))
@@ -163,7 +158,7 @@ def test_straggler_notices_and_partial_threshold() -> None:
     notices: list[tuple[int, int, int]] = []
     with serving(cfg) as srv:
         fast, _ = run_workers(srv, cfg, idx, workers=[0, 1, 2], timeout=0.05)
-        slow_tr = Transport(TransportConfig(params(cfg), worker=3, aggregator=("127.0.0.1", srv.port), timeout=0.05,
+        slow_tr = Transport(TransportConfig(cfg, worker=3, aggregator=("127.0.0.1", srv.port), timeout=0.05,
                                             on_straggler=lambda *a: notices.append(a)))
         slow = slow_tr.exchange_indices(idx[3])
         slow_tr.close()
@@ -202,8 +197,7 @@ def test_wrong_key_or_table_changes_nothing_and_errors_clearly() -> None:
     cfg = JobConfig(workers=2, slots=4, elems=K)
     idx = random_indices(cfg, 8, seed=4)
     with serving(cfg) as srv:
-        for bad in (JobParams(**{**params(cfg).__dict__, "key": cfg.key ^ 1}),
-                    JobParams(**{**params(cfg).__dict__, "table_id": cfg.table_id ^ 1})):
+        for bad in (dataclasses.replace(cfg, key=cfg.key ^ 1), dataclasses.replace(cfg, granularity=29)):
             tr = Transport(TransportConfig(bad, worker=1, aggregator=("127.0.0.1", srv.port), timeout=0.02,
                                            deadline=0.3))
             with pytest.raises(AggregatorUnreachable, match="no answer from the aggregator"):
@@ -222,7 +216,7 @@ def test_unreachable_aggregator_raises_after_deadline() -> None:
     probe.bind(("127.0.0.1", 0))
     port = probe.getsockname()[1]
     probe.close()
-    tr = Transport(TransportConfig(params(cfg), worker=0, aggregator=("127.0.0.1", port), deadline=0.4,
+    tr = Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), deadline=0.4,
                                    timeout=0.05))
     t0 = time.monotonic()
     with pytest.raises(AggregatorUnreachable, match=f"127.0.0.1:{port}"):
@@ -236,7 +230,7 @@ def test_round_wraparound() -> None:
     cfg = JobConfig(workers=2, slots=2, elems=K)
     idx = random_indices(cfg, 10, seed=8)
     with serving(cfg) as srv:
-        trs = [Transport(TransportConfig(params(cfg), worker=w, aggregator=("127.0.0.1", srv.port))) for w in range(2)]
+        trs = [Transport(TransportConfig(cfg, worker=w, aggregator=("127.0.0.1", srv.port))) for w in range(2)]
         for tr in trs:
             tr.slot_round = [65533, 65534]
         out: list[UseResults | None] = [None, None]
@@ -267,15 +261,14 @@ def test_malformed_traffic_interleaved_leaves_result_intact() -> None:
                 if kind == 0:
                     data = rng.bytes(int(rng.integers(0, 200)))
                 elif kind == 1:  # right job, wrong key, plausible slot/round
-                    data = build_packet(bytes(cfg.data_bytes), type=1, job=cfg.job, key=cfg.key ^ 0xFF,
-                                        table_id=cfg.table_id, worker=0, slot=int(rng.integers(0, 4)),
-                                        elems=K, width=4)
+                    data = Header(type=1, job=cfg.job, key=cfg.key ^ 0xFF, table_id=cfg.table_id, worker=0,
+                                  slot=int(rng.integers(0, 4)), elems=K, width=4).pack(bytes(cfg.data_bytes))
                 elif kind == 2:  # right key, worker out of range
-                    data = build_packet(bytes(cfg.data_bytes), type=1, job=cfg.job, key=cfg.key,
-                                        table_id=cfg.table_id, worker=7, slot=1, elems=K, width=4)
+                    data = Header(type=1, job=cfg.job, key=cfg.key, table_id=cfg.table_id, worker=7, slot=1, elems=K,
+                                  width=4).pack(bytes(cfg.data_bytes))
                 else:  # right key, truncated payload
-                    data = build_packet(bytes(5), type=1, job=cfg.job, key=cfg.key, table_id=cfg.table_id,
-                                        worker=1, slot=2, elems=K, width=4)
+                    data = Header(type=1, job=cfg.job, key=cfg.key, table_id=cfg.table_id, worker=1, slot=2, elems=K,
+                                  width=4).pack(bytes(5))
                 s.sendto(data, ("127.0.0.1", srv.port))
                 sent += 1
                 if sent % 50 == 0:
@@ -302,7 +295,7 @@ def test_thc_allreduce_decodes_like_the_codec() -> None:
     d = 3000
     grads = [torch.randn(d, generator=torch.Generator().manual_seed(w)) for w in range(3)]
     with serving(cfg) as srv:
-        ars = [THCAllreduce(Transport(TransportConfig(params(cfg), worker=w, aggregator=("127.0.0.1", srv.port))),
+        ars = [THCAllreduce(Transport(TransportConfig(cfg, worker=w, aggregator=("127.0.0.1", srv.port))),
                             THCConfig(), seed=w) for w in range(3)]
         out: list = [None] * 3
         ths = [threading.Thread(target=lambda w=w: out.__setitem__(w, ars[w].allreduce(grads[w], tensor=2, step=5)))
@@ -380,7 +373,7 @@ def test_uncompressed_job_sums_int32() -> None:
     rng = np.random.default_rng(3)
     vals = [rng.integers(-(1 << 28), 1 << 28, 5 * K + 7) for _ in range(3)]
     with serving(cfg) as srv:
-        trs = [Transport(TransportConfig(params(cfg), worker=w, aggregator=("127.0.0.1", srv.port))) for w in range(3)]
+        trs = [Transport(TransportConfig(cfg, worker=w, aggregator=("127.0.0.1", srv.port))) for w in range(3)]
         out: list = [None] * 3
         ths = [threading.Thread(target=lambda w=w: out.__setitem__(w, trs[w].exchange_int32(vals[w])))
                for w in range(3)]
@@ -404,7 +397,7 @@ def test_zero_fill_allreduce_zeroes_lost_chunks_in_transformed_domain() -> None:
     d = 4096
     grads = [torch.randn(d, generator=torch.Generator().manual_seed(10 + w)) for w in range(2)]
     with serving(cfg) as srv:
-        ars = [THCAllreduce(Transport(TransportConfig(params(cfg), worker=w, aggregator=("127.0.0.1", srv.port),
+        ars = [THCAllreduce(Transport(TransportConfig(cfg, worker=w, aggregator=("127.0.0.1", srv.port),
                                                       loss_policy="zero-fill", retries=0, timeout=0.8,
                                                       drop_up=0.15, seed=4)), THCConfig(), seed=w)
                for w in range(2)]
@@ -430,7 +423,7 @@ def test_rtt_estimate_follows_rfc6298() -> None:
     [timeout, max_timeout], doubles on every expiry until the next clean sample; without adaptation it
     stays ``timeout``."""
     cfg = JobConfig(workers=1, slots=4, elems=K)
-    tr = Transport(TransportConfig(params(cfg), worker=0, timeout=0.01, max_timeout=5.0))
+    tr = Transport(TransportConfig(cfg, worker=0, timeout=0.01, max_timeout=5.0))
     try:
         assert tr.rto() == 0.01
         srtt, var = 0.1, 0.05  # first sample: SRTT = R, RTTVAR = R / 2
@@ -456,19 +449,19 @@ def test_rtt_estimate_follows_rfc6298() -> None:
         assert tr.rto() == 5.0
     finally:
         tr.close()
-    fixed = Transport(TransportConfig(params(cfg), worker=0, timeout=0.01, adaptive_timeout=False))
+    fixed = Transport(TransportConfig(cfg, worker=0, timeout=0.01, adaptive_timeout=False))
     fixed._rtt_sample(0.3)
     fixed._expired(0.0)
     assert fixed.rto() == 0.01
     fixed.close()
     # zero-fill keeps its workers in step: fixed timeout, fixed window, whatever the samples say
-    zf = Transport(TransportConfig(params(cfg), worker=0, timeout=0.01, loss_policy="zero-fill"))
+    zf = Transport(TransportConfig(cfg, worker=0, timeout=0.01, loss_policy="zero-fill"))
     zf._rtt_sample(0.3)
     zf._expired(1.0)
     assert zf.rto() == 0.01 and zf.window() == cfg.slots
     zf.close()
     with pytest.raises(ValueError, match="max_timeout"):
-        TransportConfig(params(cfg), worker=0, timeout=0.5, max_timeout=0.1)
+        TransportConfig(cfg, worker=0, timeout=0.5, max_timeout=0.1)
 
 
 @contextlib.contextmanager
@@ -523,7 +516,7 @@ def test_adaptive_timeout_stops_spurious_retransmissions() -> None:
     retx = {}
     for adaptive in (False, True):  # a fresh aggregator each: a new worker would find the slots' rounds moved on
         with serving(cfg) as srv, delaying_relay(srv.port, 0.08) as port, \
-                Transport(TransportConfig(params(cfg), worker=0, aggregator=("127.0.0.1", port), timeout=0.01,
+                Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=0.01,
                                           adaptive_timeout=adaptive)) as tr:
             res = tr.exchange_indices(idx)
             assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
@@ -541,7 +534,7 @@ def test_congestion_window_backs_off_a_full_queue() -> None:
     retx = {}
     for cc in (False, True):
         with serving(cfg) as srv, delaying_relay(srv.port, 0.04, capacity=12) as port, \
-                Transport(TransportConfig(params(cfg), worker=0, aggregator=("127.0.0.1", port), timeout=0.01,
+                Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=0.01,
                                           congestion_control=cc)) as tr:
             res = tr.exchange_indices(idx)
             assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()

@@ -16,16 +16,15 @@ from worker_lib.wire import (
     FIELDS,
     HEADER_BYTES,
     THC_UDP_PORT,
+    Header,
     PacketType,
     bits_float,
     build_batch,
-    build_packet,
     decode_sums,
     encode_sums,
     float_bits,
     header_view,
     pack_indices_np,
-    parse_packet,
     serial_newer,
     unpack_indices_np,
 )
@@ -63,11 +62,11 @@ def test_layout_is_switch_friendly() -> None:
 @given(header_values, st.binary(max_size=64))
 def test_scapy_and_numpy_produce_same_bytes(fields: dict, payload: bytes) -> None:
     """The scapy layer and the numpy serializer build the same bytes, and both parse them back."""
-    via_numpy = build_packet(payload, **fields)
+    via_numpy = Header(**fields).pack(payload)
     via_scapy = bytes(THC(**fields) / payload) if payload else bytes(THC(**fields))
     assert via_numpy == via_scapy
-    hdr, pay = parse_packet(via_scapy)
-    assert hdr == fields and pay == payload
+    hdr, pay = Header.parse(via_scapy)
+    assert hdr.as_dict() == fields and pay == payload
     back = THC(via_numpy)
     assert {f.name: back.getfieldval(f.name) for f in FIELDS} == fields
     assert bytes(back.payload) == payload
@@ -75,7 +74,7 @@ def test_scapy_and_numpy_produce_same_bytes(fields: dict, payload: bytes) -> Non
 
 def test_big_endian_and_offsets() -> None:
     """Fields sit at their documented offsets, most significant byte first."""
-    pkt = build_packet(job=0x0102, key=0x03040506, slot=0x0708, bitmap=0x090A0B0C)
+    pkt = Header(job=0x0102, key=0x03040506, slot=0x0708, bitmap=0x090A0B0C).pack()
     offs = field_offsets()
     assert pkt[offs["job"]:offs["job"] + 2] == b"\x01\x02"
     assert pkt[offs["key"]:offs["key"] + 4] == b"\x03\x04\x05\x06"
@@ -119,7 +118,7 @@ def test_batch_serializer_rows_equal_single_packets() -> None:
             "key": np.full(5, 0xDEADBEEF), "elems": np.full(5, 32), "width": np.full(5, 4)}
     batch = build_batch(cols, payloads)
     for i in range(5):
-        single = build_packet(payloads[i].tobytes(), **{k: int(v[i]) for k, v in cols.items()})
+        single = Header(**{k: int(v[i]) for k, v in cols.items()}).pack(payloads[i].tobytes())
         assert batch[i].tobytes() == single
     hv = header_view(batch)
     assert hv["round"].tolist() == [65530, 65531, 65532, 65533, 65534]
@@ -148,4 +147,4 @@ def test_serial_arithmetic() -> None:
 
 def test_parse_short_packet_raises() -> None:
     with pytest.raises(ValueError, match="shorter than the 32-byte header"):
-        parse_packet(b"\x01\x02")
+        Header.parse(b"\x01\x02")

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from worker_lib.wire import FIELDS, THC_UDP_PORT, build_packet
+from worker_lib.wire import FIELDS, THC_UDP_PORT, Header
 from worker_lib.wire.dissector import lua_dissector
 from worker_lib.wire.pcap import PcapWriter, read_pcap
 
@@ -32,7 +32,7 @@ def test_lua_declares_every_layout_field() -> None:
 
 def test_pcap_round_trip(tmp_path: Path) -> None:
     """Datagrams written with PcapWriter read back with the same addresses and payloads."""
-    pkts = [build_packet(bytes([i]) * i, **h) for i, h in enumerate(_random_headers(4))]
+    pkts = [Header(**h).pack(bytes([i]) * i) for i, h in enumerate(_random_headers(4))]
     with PcapWriter(tmp_path / "x.pcap") as w:
         for p in pkts:
             w.write(("127.0.0.1", 40000), ("127.0.0.1", THC_UDP_PORT), p)
@@ -48,7 +48,7 @@ def test_tshark_decodes_every_field(tmp_path: Path) -> None:
     heads = _random_headers(6)
     with PcapWriter(tmp_path / "thc.pcap") as w:
         for h in heads:
-            w.write(("127.0.0.1", 40000), ("127.0.0.1", THC_UDP_PORT), build_packet(b"\xab\xcd", **h))
+            w.write(("127.0.0.1", 40000), ("127.0.0.1", THC_UDP_PORT), Header(**h).pack(b"\xab\xcd"))
     lua = tmp_path / "thc.lua"
     lua.write_text(lua_dissector())
     cmd = [TSHARK, "-X", f"lua_script:{lua}", "-r", str(tmp_path / "thc.pcap"), "-T", "fields",

@@ -1,6 +1,6 @@
 """Compile the THC program and run BMv2 simple_switch_grpc as a child process.
 
-``compile_program`` renders p4/bmv2/thc.p4 for a geometry (p4/gen_bmv2.py) and compiles it with
+``compile_program`` renders p4src/bmv2/thc.p4 for a geometry (p4gen/bmv2.py) and compiles it with
 p4c-bm2-ss into a BMv2 JSON and a P4Info. ``Bmv2Switch`` starts simple_switch_grpc (optionally inside a
 network namespace, with its gRPC server on a Unix socket so that the controller outside can reach it),
 waits until its gRPC endpoint accepts connections (polling, never a fixed sleep), and stops it with a
@@ -9,22 +9,18 @@ bounded wait. Its log and per-port pcap files go to ``workdir``.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 
+import p4gen.bmv2 as gen
 from aggregator.p4rt.client import SwitchAddress, wait_for_switch
 from topologies.netns import Netns
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parent.parent
-P4_DIR = ROOT / "p4"
 
 
 class ToolMissing(RuntimeError):
@@ -37,18 +33,6 @@ def find_tool(name: str) -> str:
     if path is None:
         raise ToolMissing(f"{name} is not on PATH; install the P4 toolchain (see docs/bmv2.md or the Vagrantfile)")
     return path
-
-
-def gen_bmv2() -> ModuleType:
-    """p4/gen_bmv2.py as a module (p4/ is not a Python package, see the script's docstring)."""
-    name = "thc_p4_gen_bmv2"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, P4_DIR / "gen_bmv2.py")
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
 
 
 @dataclass(frozen=True)
@@ -64,12 +48,11 @@ class CompiledProgram:
 def compile_program(outdir: Path, *, elems: int = 32, bits: int = 4, result_bits: int = 8, slots: int = 1024,
                     jobs: int = 8, timeout: float = 300.0) -> CompiledProgram:
     """Render the program for the geometry into ``outdir`` and compile it; raise RuntimeError on errors."""
-    gen = gen_bmv2()
     outdir.mkdir(parents=True, exist_ok=True)
     src = outdir / "thc.p4"
     src.write_text(gen.render(gen.Geometry(elems, bits, result_bits, slots, jobs)))
     out_json, out_info = outdir / "thc.json", outdir / "thc.p4info.txtpb"
-    cmd = [find_tool("p4c-bm2-ss"), "--std", "p4-16", "-I", str(P4_DIR / "include"), "-o", str(out_json),
+    cmd = [find_tool("p4c-bm2-ss"), "--std", "p4-16", "-I", str(gen.INCLUDE_DIR), "-o", str(out_json),
            "--p4runtime-files", str(out_info), str(src)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0:

@@ -3,7 +3,7 @@
     python -m topologies.star --workers 4              # Mininet (Debian's python3 + the project)
     python -m topologies.star --workers 4 --netns      # the same on plain network namespaces
 
-Steps: compile p4/bmv2/thc.p4 for the job's K and b (or use --program-dir), build the topology,
+Steps: compile p4src/bmv2/thc.p4 for the job's K and b (or use --program-dir), build the topology,
 start simple_switch_grpc (log and per-port pcaps in --workdir), load the program and the job over
 P4Runtime (aggregator.p4rt.ThcSwitch), run one worker process per host (topologies.worker: norm stage,
 then --chunks chunks through worker_lib.transport), check every worker received the sums of the table
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from aggregator.jobs import JobConfig, JobConfigError
 from aggregator.p4rt import SwitchError, ThcSwitch
 from topologies.bmv2 import Bmv2Config, Bmv2Switch, CompiledProgram, ToolMissing, compile_program, find_tool
 from topologies.nsstar import SERVICE_IP, SWITCH_MAC, NsStar, host_ip, host_mac
 from topologies.worker import worker_indices, worker_norm
+from worker_lib.job import JobConfig, JobConfigError
 from worker_lib.wire.layout import THC_UDP_PORT
 
 log = logging.getLogger(__name__)

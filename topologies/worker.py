@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from aggregator.jobs import JobConfig, JobConfigError, parse_job_spec
-from worker_lib.transport import AggregatorUnreachable, JobParams, Transport, TransportConfig
+from worker_lib.job import JobConfig, JobConfigError, parse_job_spec
+from worker_lib.transport import AggregatorUnreachable, Transport, TransportConfig
 from worker_lib.wire.layout import THC_UDP_PORT
 
 log = logging.getLogger(__name__)
@@ -39,17 +39,10 @@ def worker_norm(seed: int, worker: int) -> float:
     return float(np.float32(1.0 + ((seed * 31 + worker * 7) % 64) / 8.0))
 
 
-def params_of(cfg: JobConfig) -> JobParams:
-    """The transport's view of a job configuration."""
-    return JobParams(job=cfg.job, key=cfg.key, workers=cfg.workers, table_id=cfg.table_id, kind=cfg.kind,
-                     bits=cfg.bits, granularity=cfg.granularity, result_bits=cfg.result_bits, slots=cfg.slots,
-                     elems=cfg.elems)
-
-
 def run_worker(cfg: JobConfig, worker: int, aggregator: tuple[str, int], bind: str, chunks: int, seed: int,
                timeout: float = 0.2, deadline: float = 20.0) -> dict:
     """Norm stage + ``chunks`` chunks; returns the max norm, sums, contributors, bitmaps, losses, timing."""
-    tcfg = TransportConfig(params_of(cfg), worker=worker, aggregator=aggregator, bind_host=bind,
+    tcfg = TransportConfig(cfg, worker=worker, aggregator=aggregator, bind_host=bind,
                            timeout=timeout, deadline=deadline)
     idx = worker_indices(seed, worker, chunks, cfg.elems, cfg.bits)
     with Transport(tcfg) as tr:

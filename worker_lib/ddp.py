@@ -52,14 +52,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from worker_lib.job import JobConfig
 from worker_lib.thc import THCConfig, THCWorker
-from worker_lib.transport import AggregatorUnreachable, JobParams, LossPolicy, Transport, TransportConfig
+from worker_lib.transport import AggregatorUnreachable, LossPolicy, Transport, TransportConfig
 
 log = logging.getLogger(__name__)
 
 __all__ = ["AggregatorUnreachable", "DDPHookConfig", "HookStats", "THCHookState", "register_thc_hook", "thc_hook"]
 
-#: The job ``thc-aggregator`` serves when started without a job (aggregator.jobs.DEFAULT_JOB_ID / DEFAULT_KEY;
+#: The job ``thc-aggregator`` serves when started without a job (worker_lib.job.DEFAULT_JOB_ID / DEFAULT_KEY;
 #: tests/test_ddp.py checks that they agree, since worker_lib does not import the aggregator).
 DEFAULT_JOB = 1
 DEFAULT_KEY = 0x54484321
@@ -71,7 +72,7 @@ class DDPHookConfig:
     """Settings of the DDP hook: where the aggregator is, which job, THC's knobs, loss policy, timeouts.
 
     ``kind``, ``bits``, ``granularity``, ``p``, ``result_bits``, ``slots`` and ``elems`` must be those
-    of the job the aggregator serves (``aggregator.jobs.JobConfig`` computes the defaults of
+    of the job the aggregator serves (``worker_lib.job.JobConfig`` computes the defaults of
     ``result_bits`` and ``elems``; pass its values).
     """
 
@@ -114,15 +115,14 @@ class DDPHookConfig:
         """THC's codec settings (error feedback is done by the hook, per parameter)."""
         return THCConfig(bits=self.bits, granularity=self.granularity, p=self.p, error_feedback=False)
 
-    def job_params(self, workers: int) -> JobParams:
-        """The transport's view of the job for ``workers`` ranks."""
-        table_id = self.thc_config().table().table_id() if self.kind == "thc" else 0
-        return JobParams(job=self.job, key=self.key, workers=workers, table_id=table_id, kind=self.kind,
-                         bits=self.bits, granularity=self.granularity, result_bits=self.result_bits,
-                         slots=self.slots, elems=self.elems)
+    def job_config(self, workers: int) -> JobConfig:
+        """The job for ``workers`` ranks, as the aggregator must be configured with it."""
+        return JobConfig(job=self.job, key=self.key, workers=workers, kind=self.kind, bits=self.bits,
+                         granularity=self.granularity, p=self.p, result_bits=self.result_bits, slots=self.slots,
+                         elems=self.elems)
 
     def transport_config(self, rank: int, workers: int) -> TransportConfig:
-        return TransportConfig(self.job_params(workers), worker=rank, aggregator=(self.aggregator[0],
+        return TransportConfig(self.job_config(workers), worker=rank, aggregator=(self.aggregator[0],
                                int(self.aggregator[1])), shards=self.shards, loss_policy=self.loss_policy,
                                timeout=self.timeout, retries=self.retries, deadline=self.deadline,
                                window=self.window, seed=self.seed, bind_host=self.bind_host,

@@ -28,7 +28,7 @@ must not complete for another), so the timeout stays ``timeout`` and the window 
 
 Usage::
 
-    params = JobParams(job=1, key=0x54484321, workers=4, table_id=table.table_id(), bits=4)
+    params = JobConfig(job=1, key=0x54484321, workers=4, bits=4)
     tr = Transport(TransportConfig(params, worker=0, aggregator=("127.0.0.1", 9451)))
     ar = THCAllreduce(tr, THCConfig())
     avg = ar.allreduce(grad, tensor=0, step=s).average
@@ -49,46 +49,26 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, HEADER_STRUCT, ROUND_BITS, VERSION, PacketType
+from worker_lib.job import JobConfig
+from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, HEADER_STRUCT, VERSION, PacketType
 from worker_lib.wire.pcap import PcapWriter
+from worker_lib.wire.protocol import fragment_count, next_round, serial_newer
 from worker_lib.wire.serializer import build_batch, float_bits, pack_indices_np
 
 log = logging.getLogger(__name__)
 
 LossPolicy = Literal["reliable", "zero-fill"]
-_ROUND_MASK = (1 << ROUND_BITS) - 1
 
 
 class AggregatorUnreachable(ConnectionError):
     """Nothing came back from the aggregator for the configured deadline."""
 
 
-@dataclass(frozen=True)
-class JobParams:
-    """What a worker must know of its job (the same values the aggregator is configured with)."""
-
-    job: int
-    key: int
-    workers: int
-    table_id: int = 0
-    kind: Literal["thc", "uncompressed", "dar"] = "thc"
-    bits: int = 4
-    granularity: int = 30
-    result_bits: int = 8
-    slots: int = 128
-    elems: int = 1024  #: K; for dar jobs, the message bytes per fragment
-    max_message: int | None = None  #: dar jobs: the largest message (bytes), uplink and downlink
-
-    @property
-    def data_width(self) -> int:
-        return {"thc": self.bits, "dar": 8}.get(self.kind, 32)
-
-
 @dataclass
 class TransportConfig:
     """One worker's transport settings."""
 
-    params: JobParams
+    params: JobConfig  #: the job, as the aggregator is configured with it
     worker: int
     aggregator: tuple[str, int] = ("127.0.0.1", 9451)
     shards: int = 1
@@ -264,7 +244,7 @@ class Transport:
         """
         cfg, p = self.cfg, self.cfg.params
         if p.kind != "dar" or p.max_message is None:
-            raise ValueError("exchange_message needs a dar job (JobParams kind='dar' with max_message)")
+            raise ValueError("exchange_message needs a dar job (a JobConfig of kind='dar')")
         msg = np.ascontiguousarray(np.asarray(payload, np.uint8).reshape(-1))
         nbytes = -(-int(bits) // 8)
         if bits < 0 or msg.size != nbytes:
@@ -272,10 +252,10 @@ class Transport:
         if nbytes > p.max_message:
             raise ValueError(f"a message of {nbytes} bytes exceeds the job's max_message {p.max_message}")
         per = p.elems
-        frags = max(1, -(-nbytes // per))
+        frags = fragment_count(nbytes, per)
         slot = self.next_use % p.slots
         rnd = self.slot_round[slot]
-        self.slot_round[slot] = (rnd + 1) & _ROUND_MASK
+        self.slot_round[slot] = next_round(rnd)
         self.next_use += 1
         sizes = np.minimum(per, nbytes - np.arange(frags) * per)
         body = np.zeros((frags, DAR_PREFIX_BYTES + per), np.uint8)
@@ -340,7 +320,7 @@ class Transport:
                         self.stats.unexpected += 1
                         continue
                     if ftyp == PacketType.STRAGGLER:
-                        if ((fround - rnd) & _ROUND_MASK) not in range(1, 1 << (ROUND_BITS - 1)):
+                        if not serial_newer(fround, rnd):
                             self.stats.unexpected += 1
                             continue
                         self.stats.stragglers += 1
@@ -355,7 +335,7 @@ class Transport:
                         continue
                     rb, rf = struct.unpack_from(">II", self._rbuf, HEADER_BYTES)
                     rbytes = -(-rb // 8)
-                    if rbytes > p.max_message or rf != max(1, -(-rbytes // per)) or fchunk >= rf or \
+                    if rbytes > p.max_message or rf != fragment_count(rbytes, per) or fchunk >= rf or \
                             felems != min(per, rbytes - fchunk * per) or \
                             n != HEADER_BYTES + DAR_PREFIX_BYTES + felems or \
                             (res_bits >= 0 and (rb, rf) != (res_bits, res_frags)):
@@ -392,7 +372,7 @@ class Transport:
             s = (self.next_use + i) % p.slots
             slots[i] = s
             rounds[i] = self.slot_round[s]
-            self.slot_round[s] = (self.slot_round[s] + 1) & _ROUND_MASK
+            self.slot_round[s] = next_round(self.slot_round[s])
         self.next_use += count
         hdr = {"version": VERSION, "type": int(typ), "job": p.job, "key": p.key, "table_id": p.table_id,
                "worker": cfg.worker, "slot": slots, "round": rounds, "tensor": tensor,
@@ -476,7 +456,7 @@ class Transport:
                     last_answer = time.monotonic()
                     if ftyp == PacketType.STRAGGLER:
                         ours = int(rounds[i])
-                        if ((fround - ours) & _ROUND_MASK) not in range(1, 1 << (ROUND_BITS - 1)):
+                        if not serial_newer(fround, ours):
                             self.stats.unexpected += 1
                             continue
                         self.stats.stragglers += 1

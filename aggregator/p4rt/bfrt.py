@@ -1,4 +1,4 @@
-"""Control plane of the THC Tofino program (p4/tofino/thc.p4): bfrt_python scripts.
+"""Control plane of the THC Tofino program (p4src/tofino/thc.p4): bfrt_python scripts.
 
 The Tofino SDE's runtime (BF Runtime) is driven here through ``bfrt_python`` scripts, the SDE's own
 scripting front end (``$SDE/run_bfshell.sh -b script.py``): this module *writes* the script, and runs it
@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from aggregator.jobs import JobConfig
 from aggregator.p4rt.errors import SwitchError
 from aggregator.p4rt.p4info import ProgramGeometry
 from aggregator.p4rt.thc import (
@@ -45,9 +44,10 @@ from aggregator.p4rt.thc import (
     route_entry,
     service_entry,
 )
-from aggregator.state import Counter
+from worker_lib.job import JobConfig
+from worker_lib.wire.protocol import Counter
 
-# The geometry p4/gen_tofino.py renders p4/tofino/thc.p4 with by default (tests/test_tofino_bfrt.py
+# The geometry p4gen/tofino.py renders p4src/tofino/thc.p4 with by default (tests/test_tofino_bfrt.py
 # checks these agree with the generator's TofinoGeometry defaults).
 DEFAULT_TOFINO_GEOMETRY = ProgramGeometry(elems=24, bits=4, result_bits=8, slots=4096, jobs=8)
 
@@ -76,7 +76,7 @@ class TofinoProgram:
 
     name: the P4 program name under ``bfrt`` (bf-p4c names it after the source file: ``thc``);
     pipe, ingress, egress: the Pipeline and control instance names; geometry: its compile-time constants
-    (those of p4/gen_tofino.py)."""
+    (those of p4gen/tofino.py)."""
 
     name: str = "thc"
     pipe: str = "pipe"
@@ -200,7 +200,7 @@ def bfrt_load_script(plan: TofinoPlan, generation: int | None = None) -> str:
     lines = [
         "# bfrt_python script written by thc-switch (aggregator/p4rt/bfrt.py). Run on the switch with",
         "#   $SDE/run_bfshell.sh -b <this file>",
-        "# after starting bf_switchd with the compiled p4/tofino/thc.p4. Do not edit: regenerate it.",
+        "# after starting bf_switchd with the compiled p4src/tofino/thc.p4. Do not edit: regenerate it.",
         f"p4 = bfrt.{prog.name}.{prog.pipe}",
         f"ing = p4.{prog.ingress}",
         f"egr = p4.{prog.egress}",
@@ -246,7 +246,7 @@ def bfrt_stats_script(prog: TofinoProgram | None = None) -> str:
 
 
 def stats_from_raw(raw: dict[str, list[int]], elems: int) -> dict[str, int]:
-    """The aggregator counters (``aggregator.state.Counter`` names) from the Tofino program's counters.
+    """The aggregator counters (``worker_lib.wire.protocol.Counter`` names) from the Tofino program's counters.
 
     Why a mapping: a Tofino counter is counted at most once per pass, so RX, ACCEPTED (thc_accepted: [0]
     NORM, [1] DATA), ELEMENTS (DATA packets accepted times K) and COMPLETED have their own counters and

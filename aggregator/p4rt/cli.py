@@ -6,7 +6,7 @@
         --ports 1,2,3,4
     thc-switch --switch 127.0.0.1:9559 stats
 
-Tofino (p4/tofino/thc.p4; docs/tofino.md): ``load --target tofino`` writes a bfrt_python script that
+Tofino (p4src/tofino/thc.p4; docs/tofino.md): ``load --target tofino`` writes a bfrt_python script that
 configures ports, resets the registers and installs services, routes and jobs (lookup entries, PRE nodes
 and group, job entry), and runs it in bfshell where the SDE is installed ($SDE/run_bfshell.sh):
 
@@ -24,7 +24,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from aggregator.jobs import JobConfigError, load_jobs, parse_job_spec
 from aggregator.p4rt.bfrt import (
     DEFAULT_TOFINO_GEOMETRY,
     BfrtUnavailable,
@@ -41,6 +40,7 @@ from aggregator.p4rt.client import SwitchAddress, wait_for_switch
 from aggregator.p4rt.errors import SwitchError
 from aggregator.p4rt.p4info import ProgramGeometry
 from aggregator.p4rt.thc import ThcSwitch
+from worker_lib.job import JobConfigError, load_jobs, parse_job_spec
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--no-run", action="store_true", help="tofino: only write the script, even where the SDE is")
     ld.add_argument("--sde", help="tofino: the SDE directory (default $SDE)")
     ld.add_argument("--geometry", metavar="K,B,RESULT_BITS,SLOTS,JOBS",
-                    help="tofino: the geometry p4/gen_tofino.py compiled the program with (default: its defaults)")
+                    help="tofino: the geometry p4gen/tofino.py compiled the program with (default: its defaults)")
     ld.add_argument("--service", action="append", default=[], metavar="IP,MAC",
                     help="an aggregator address of the switch and the MAC its answers come from (repeatable)")
     ld.add_argument("--route", action="append", default=[], metavar="PREFIX,MAC,PORT",
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     rm = sub.add_parser("remove", help="remove a job")
     rm.add_argument("job", type=int, help="job id")
     sub.add_parser("jobs", help="list the installed jobs (JSON)")
-    st = sub.add_parser("stats", help="print the aggregator counters (JSON, Counter names of aggregator.state)")
+    st = sub.add_parser("stats", help="print the aggregator counters (JSON, Counter names of worker_lib.wire.protocol)")
     st.add_argument("--target", choices=("bmv2", "tofino"), default="bmv2", help="switch kind (default bmv2)")
     st.add_argument("--output", type=Path, help="tofino: also write the bfrt_python script here")
     st.add_argument("--sde", help="tofino: the SDE directory (default $SDE)")

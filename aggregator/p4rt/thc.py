@@ -1,4 +1,4 @@
-"""Control plane of the THC BMv2 program (p4/bmv2/thc.p4): one ``ThcSwitch`` per switch.
+"""Control plane of the THC BMv2 program (p4src/bmv2/thc.p4): one ``ThcSwitch`` per switch.
 
 What it writes, all by name through the program's P4Info:
 
@@ -38,12 +38,12 @@ from pathlib import Path
 from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2
 
-from aggregator.jobs import JobConfig
 from aggregator.p4rt.client import P4RuntimeClient, SwitchAddress
 from aggregator.p4rt.errors import JobRefused, P4InfoError, SwitchRejected
 from aggregator.p4rt.p4info import P4InfoIndex, ProgramGeometry, load_p4info
-from aggregator.state import Counter
+from worker_lib.job import JobConfig
 from worker_lib.wire.layout import MAX_WORKERS
+from worker_lib.wire.protocol import Counter
 
 log = logging.getLogger(__name__)
 
@@ -467,7 +467,7 @@ class ThcSwitch:
 
     # -- observation -----------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        """The aggregator counters (``aggregator.state.Counter`` names), read from ``thc_stats``.
+        """The aggregator counters (``worker_lib.wire.protocol.Counter`` names), read from ``thc_stats``.
 
         The program counts accepted DATA packets at ELEMENTS; this returns them times K, the
         Python aggregator's meaning (elements aggregated).

@@ -1,5 +1,6 @@
-"""THC wire format: the header layout (defined once), numpy batch (de)serializer, scapy layer,
-pcap helpers and the generated Wireshark dissector. docs/protocol.md is the normative text."""
+"""THC wire format: the header layout (defined once), the protocol core (typed header, rounds, counters),
+numpy batch (de)serializer, scapy layer, pcap helpers and the generated Wireshark dissector.
+docs/protocol.md is the normative text."""
 
 from worker_lib.wire.layout import (
     FIELDS,
@@ -13,19 +14,25 @@ from worker_lib.wire.layout import (
     Field,
     PacketType,
 )
+from worker_lib.wire.protocol import (
+    ROUND_MASK,
+    Counter,
+    DarCounter,
+    Header,
+    fragment_count,
+    next_round,
+    serial_newer,
+)
 from worker_lib.wire.serializer import (
     bits_float,
     build_batch,
-    build_packet,
     decode_sums,
     encode_int32,
     encode_sums,
     float_bits,
     header_view,
-    make_header,
     pack_indices_np,
     packed_bytes,
-    parse_packet,
     unpack_indices_np,
 )
 
@@ -36,28 +43,26 @@ __all__ = [
     "MAX_WORKERS",
     "RESULT_WIDTHS",
     "ROUND_BITS",
+    "ROUND_MASK",
     "THC_UDP_PORT",
     "VERSION",
+    "Counter",
+    "DarCounter",
     "Field",
+    "Header",
     "PacketType",
     "bits_float",
     "build_batch",
-    "build_packet",
     "decode_sums",
     "encode_int32",
     "encode_sums",
     "float_bits",
+    "fragment_count",
     "header_view",
-    "make_header",
+    "next_round",
     "pack_indices_np",
     "packed_bytes",
-    "parse_packet",
     "serial_newer",
     "unpack_indices_np",
 ]
 
-
-def serial_newer(a: int, b: int) -> bool:
-    """RFC 1982 serial-number comparison on ROUND_BITS bits: is round ``a`` newer than round ``b``?"""
-    d = (a - b) & ((1 << ROUND_BITS) - 1)
-    return 0 < d < (1 << (ROUND_BITS - 1))

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from worker_lib.wire.layout import FIELD_NAMES, HEADER_BYTES, HEADER_DTYPE, VERSION, header_dtype
+from worker_lib.wire.layout import FIELD_NAMES, HEADER_BYTES, VERSION, header_dtype
 
 _RESULT_DTYPES = {8: np.dtype(">u1"), 16: np.dtype(">u2"), 32: np.dtype(">u4")}
 
@@ -111,31 +111,6 @@ def float_bits(value: float) -> int:
 def bits_float(bits: int) -> float:
     """Inverse of ``float_bits``."""
     return float(np.array([bits], dtype=">u4").view(">f4")[0])
-
-
-def make_header(**fields: int) -> np.ndarray:
-    """One header record; unspecified fields are 0 (``version`` defaults to the current one)."""
-    unknown = set(fields) - set(FIELD_NAMES)
-    if unknown:
-        raise ValueError(f"unknown header fields: {sorted(unknown)}")
-    rec = np.zeros(1, dtype=HEADER_DTYPE)
-    rec["version"] = VERSION
-    for name, value in fields.items():
-        rec[name] = value
-    return rec
-
-
-def build_packet(payload: bytes = b"", **fields: int) -> bytes:
-    """Header fields + payload -> the bytes of one THC packet (the UDP payload)."""
-    return make_header(**fields).tobytes() + bytes(payload)
-
-
-def parse_packet(data: bytes) -> tuple[dict[str, int], bytes]:
-    """Bytes of one THC packet -> (header fields, payload). Raises ValueError on a short packet."""
-    if len(data) < HEADER_BYTES:
-        raise ValueError(f"packet of {len(data)} bytes is shorter than the {HEADER_BYTES}-byte header")
-    rec = np.frombuffer(data, dtype=HEADER_DTYPE, count=1)[0]
-    return {name: int(rec[name]) for name in FIELD_NAMES}, bytes(data[HEADER_BYTES:])
 
 
 def build_batch(headers: np.ndarray | Mapping[str, np.ndarray], payloads: np.ndarray) -> np.ndarray:

@@ -1,9 +1,9 @@
-// TNA parsers and deparsers of the THC Tofino program (included by p4/tofino/thc.p4).
+// TNA parsers and deparsers of the THC Tofino program (included by p4src/tofino/thc.p4).
 //
 // Why a Tofino-specific file: a TNA ingress parser must first take the intrinsic metadata and skip the
 // port metadata, and this program carries a bridge header in front of
 // Ethernet, from ingress to egress and, for recirculated packets, from pass 1 to pass 2. After that
-// prefix the ingress parser runs the shared ThcHeaderParser (p4/include/thc_parser.p4), so the THC
+// prefix the ingress parser runs the shared ThcHeaderParser (p4src/include/thc_parser.p4), so the THC
 // header and payloads are parsed exactly as on BMv2; the egress parser stops after the THC header.
 #ifndef THC_TOFINO_PARSER_P4_
 #define THC_TOFINO_PARSER_P4_

@@ -4,33 +4,17 @@ P4 toolchain, and compiling a program. Tests that need a tool skip with the tool
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-P4_DIR = ROOT / "p4"
+P4_DIR = ROOT / "p4src"
 INCLUDE_DIR = P4_DIR / "include"
 CHECKED_IN_P4INFO = P4_DIR / "bmv2" / "thc.p4info.txtpb"
-
-
-def load_script(name: str) -> ModuleType:
-    """Import p4/<name>.py as a module (cached in sys.modules under thc_p4_<name>)."""
-    mod_name = f"thc_p4_{name}"
-    if mod_name in sys.modules:
-        return sys.modules[mod_name]
-    spec = importlib.util.spec_from_file_location(mod_name, P4_DIR / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def need_tools(*tools: str) -> dict[str, str]:

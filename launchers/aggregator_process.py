@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from aggregator.jobs import JobConfig
+from worker_lib.job import JobConfig
 
 log = logging.getLogger(__name__)
 

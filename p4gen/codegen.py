@@ -1,4 +1,4 @@
-"""Shared steps of the scripts that render code from templates (p4/gen_bmv2.py, p4/gen_tofino.py).
+"""Shared steps of the scripts that render code from templates (p4gen/bmv2.py, p4gen/tofino.py).
 
 Both P4 generators fill ``@MARKER@`` lines of a hand-written template with generated blocks and then
 either write the result or check that the checked-in file is current; the steps live here once, with

@@ -1,7 +1,7 @@
 // Headers shared by every THC P4 program: Ethernet / IPv4 / UDP in front of the THC header, and the
 // one-word payload of the norm stage. The THC header itself (thc_h) and the protocol constants are
 // generated from the Python layout into thc_headers.p4. The DATA and RESULT payload headers depend on
-// K, b and the result width, so each program declares them (p4/bmv2/thc.p4 is generated for them).
+// K, b and the result width, so each program declares them (p4src/bmv2/thc.p4 is generated for them).
 #ifndef THC_COMMON_P4_
 #define THC_COMMON_P4_
 

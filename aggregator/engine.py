@@ -18,61 +18,27 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import IntEnum
 from types import SimpleNamespace
 
 import numpy as np
 
-from aggregator.jobs import JobConfig, JobConfigError
-from worker_lib.wire.layout import HEADER_BYTES, HEADER_STRUCT, ROUND_BITS, VERSION, PacketType
+from worker_lib.job import JobConfig, JobConfigError
+from worker_lib.wire.layout import HEADER_BYTES, HEADER_STRUCT, VERSION, PacketType
+from worker_lib.wire.protocol import Counter, serial_newer
 from worker_lib.wire.serializer import header_view, unpack_indices_np
 
 log = logging.getLogger(__name__)
 
-ROUND_MASK = (1 << ROUND_BITS) - 1
-HALF = 1 << (ROUND_BITS - 1)
 #: Largest packet (bytes of UDP payload) a batch row holds by default: any datagram of a 9000-byte
 #: (jumbo) MTU, so that jobs with K up to 8192 8-bit results can be served.
 DEFAULT_STRIDE = 9216
 
 
-class Counter(IntEnum):
-    """Aggregator counters (index into ``Aggregator.counters``). Names are the metric labels."""
-
-    RX = 0  #: packets received
-    ACCEPTED = 1  #: contributions added to a bank
-    NEW_ROUND = 2  #: banks (re)started by the first packet of a newer round
-    COMPLETED = 3  #: slot rounds that reached the threshold
-    RETAINED = 4  #: retained results sent again by unicast (duplicate or latecomer of a completed round)
-    DUPLICATE = 5  #: duplicates before completion (dropped, added nothing)
-    STRAGGLER = 6  #: straggler notices sent (stale round)
-    ELEMENTS = 7  #: elements aggregated (K per accepted DATA packet)
-    SHORT = 8  #: dropped: shorter than the header
-    BAD_VERSION = 9  #: dropped: unknown version
-    BAD_TYPE = 10  #: dropped: not DATA or NORM
-    UNKNOWN_JOB = 11  #: dropped: job not configured
-    BAD_KEY = 12  #: dropped: wrong key
-    BAD_TABLE = 13  #: dropped: wrong table id
-    BAD_WORKER = 14  #: dropped: worker id >= n
-    BAD_SLOT = 15  #: dropped: slot >= S
-    WRONG_SHARD = 16  #: dropped: slot belongs to another shard
-    BAD_FORMAT = 17  #: dropped: elems, width or length do not match the job
-    BAD_NORM = 18  #: dropped: norm negative, NaN or infinite
-    KIND_MISMATCH = 19  #: dropped: NORM for a DATA round or the reverse
-
-
-DROP_COUNTERS = tuple(c for c in Counter if c >= Counter.SHORT)
 # Plain-int views of the enums for the hot path (an IntEnum member lookup costs a metaclass call).
 _CI = SimpleNamespace(**{c.name: int(c) for c in Counter})
 _PT = SimpleNamespace(**{t.name: int(t) for t in PacketType})
 
 _EMPTY = -1  # bank_round of a bank that holds nothing
-
-
-def serial_newer(a: int, b: int) -> bool:
-    """RFC 1982: is round ``a`` newer than round ``b`` (ROUND_BITS-bit serial numbers)?"""
-    d = (a - b) & ROUND_MASK
-    return 0 < d < HALF
 
 
 def _value_dtype(values: np.ndarray) -> np.dtype:
@@ -437,8 +403,7 @@ class Aggregator:
               & (np.minimum.reduceat(t, start) == np.maximum.reduceat(t, start))
               & (np.add.reduceat(bits, start) == orb))
         idx = 2 * gs + (gr & 1)
-        d = (gr - js.cur_round[gs]) & ROUND_MASK
-        new = ~js.used[gs] | ((d > 0) & (d < HALF))
+        new = ~js.used[gs] | serial_newer(gr, js.cur_round[gs])
         before = np.where(new, 0, js.count[idx])
         ok &= (new | ((js.bank_round[idx] == gr) & (js.kind[idx] == gt) & ~js.complete[idx]
                       & ((js.bitmap[idx] & orb) == 0)))
@@ -502,8 +467,7 @@ class Aggregator:
             s, r, w, t = slot[i], rnd[i], worker[i], typ[i]
             b = r & 1
             idx = 2 * s + b
-            d = (r - js.cur_round[s]) & ROUND_MASK
-            if not js.used[s] or 0 < d < HALF:
+            if not js.used[s] or serial_newer(r, js.cur_round[s]):
                 # First packet of a newer round: overwrite its bank, clear bitmap and count.
                 if self._payloads and (job[i], idx) in self._payloads:
                     self._flush_payload(job[i], idx)

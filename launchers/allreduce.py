@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from aggregator.jobs import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig, JobConfigError
-from aggregator.launch import die_with_parent, local_aggregator
-from aggregator.state import Aggregator
+from aggregator.engine import Aggregator
+from launchers.aggregator_process import die_with_parent, local_aggregator
+from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig, JobConfigError
 from worker_lib.wire.layout import PacketType
 from worker_lib.wire.serializer import build_batch, decode_sums, header_view, pack_indices_np
 
@@ -49,14 +49,6 @@ class RunSpec:
     pcap: Path | None = None  #: per-worker captures (FILE.worker<w>.pcap) when the aggregator is not ours
 
 
-def job_params(cfg: JobConfig):  # -> JobParams (imported lazily: workers import torch)
-    from worker_lib.transport import JobParams
-
-    return JobParams(job=cfg.job, key=cfg.key, workers=cfg.workers, table_id=cfg.table_id, kind=cfg.kind,
-                     bits=cfg.bits, granularity=cfg.granularity, result_bits=cfg.result_bits,
-                     slots=cfg.slots, elems=cfg.elems)
-
-
 def gradient(seed: int, worker: int, dim: int, step: int):  # -> torch.Tensor
     """The random gradient of a worker at a step (normal, with a per-worker scale)."""
     import torch
@@ -76,7 +68,7 @@ def _worker(spec: RunSpec, worker: int, barrier: mp.synchronize.Barrier) -> None
     die_with_parent()
     torch.set_num_threads(1)
     cfg = spec.job
-    tcfg = TransportConfig(job_params(cfg), worker=worker, aggregator=(spec.host, spec.port), shards=spec.shards,
+    tcfg = TransportConfig(cfg, worker=worker, aggregator=(spec.host, spec.port), shards=spec.shards,
                            loss_policy=spec.loss_policy, timeout=spec.timeout, deadline=spec.deadline,
                            drop_up=spec.drop_up, drop_down=spec.drop_down, seed=spec.seed,
                            multicast=spec.multicast, retries=spec.retries,
