@@ -1,12 +1,14 @@
-"""The reference aggregation state machine: the switch's logic in Python (docs/protocol.md).
+"""The batch engine: the state table of docs/protocol.md applied to whole batches of packets.
 
-This is the contract the P4 programs are held to (tests/scenarios.py) and what ``thc-aggregator``
-serves. Per configured job it keeps S slots x 2 banks x K elements, preallocated: round r of a slot
-aggregates in bank r mod 2 while the other bank retains round r-1's result (SwitchML's shadow
-copies). A batch of packets is validated with numpy in one pass and grouped by slot; slots are
-independent, so every slot whose packets in the batch are the common case (one round, distinct new
-contributors, no completion before the last of them) is applied at once, vectorized across slots;
-the rest walk the state table packet by packet in arrival order (docs/aggregator.md).
+``thc-aggregator`` serves this engine; ``aggregator/state.py`` is the readable reference it must
+equal (tests/test_fuzz.py holds it to the reference byte for byte, counter for counter and register
+for register; tests/scenarios.py runs through both). Per configured job it keeps S slots x 2 banks x
+K elements, preallocated: round r of a slot aggregates in bank r mod 2 while the other bank retains
+round r-1's result (SwitchML's shadow copies). A batch of packets is validated with numpy in one
+pass and grouped by slot; slots are independent, so every slot whose packets in the batch are the
+common case (one round, distinct new contributors, no completion before the last of them) is applied
+at once, vectorized across slots; the rest walk the state table packet by packet in arrival order
+(docs/aggregator.md).
 
 Only integers cross the aggregator: THC indices become integer table values, uncompressed payloads
 are int32 summed with two's-complement wrap (the worker's fixed-point scale prevents overflow),
@@ -22,9 +24,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from aggregator.state import validate
 from worker_lib.job import JobConfig, JobConfigError
-from worker_lib.wire.layout import HEADER_BYTES, HEADER_STRUCT, VERSION, PacketType
-from worker_lib.wire.protocol import Counter, serial_newer
+from worker_lib.wire.layout import HEADER_BYTES, VERSION, PacketType
+from worker_lib.wire.protocol import Counter, Header, serial_newer
 from worker_lib.wire.serializer import header_view, unpack_indices_np
 
 log = logging.getLogger(__name__)
@@ -110,10 +113,6 @@ class JobState:
         self.complete = np.zeros(2 * s, bool)
         self.kind = np.zeros(2 * s, np.int64)
         self.result_dtype = np.dtype({8: ">u1", 16: ">u2", 32: ">u4"}[cfg.result_bits])
-        #: What a packet of this job must carry, as plain ints for the packet-at-a-time checks (the table
-        #: id is a hash of the table: computed once here)
-        self.key, self.table_id, self.workers, self.slots = cfg.key, cfg.table_id, cfg.workers, cfg.slots
-        self.data_format = (cfg.elems, cfg.data_width, HEADER_BYTES + cfg.data_bytes)
 
 
 @dataclass
@@ -306,47 +305,26 @@ class Aggregator:
         return out
 
     def _process_scalar(self, buf: np.ndarray, lengths: np.ndarray, n: int) -> Outputs:
-        """``process`` for a few packets: the same checks, in the same order, one packet at a time."""
+        """``process`` for a few packets: the reference's ``validate``, one packet at a time."""
         c = self.counters
         typ, job, worker, slot, rnd = [0] * n, [0] * n, [0] * n, [0] * n, [0] * n
         norm_bits, row_pos = [0] * n, [-1] * n
         good: list[int] = []
         data_rows: dict[int, list[int]] = {}
-        unpack = HEADER_STRUCT.unpack_from
         for i in range(n):
             length = int(lengths[i])
             if length < HEADER_BYTES:
                 c[_CI.SHORT] += 1
                 continue
-            ver, t, j, key, table, w, _, s, r, _, _, elems, width, _, _ = unpack(buf[i])
+            hdr, _ = Header.parse(buf[i, :HEADER_BYTES])
+            t, j, w, s, r = hdr.type, hdr.job, hdr.worker, hdr.slot, hdr.round
             typ[i], job[i], worker[i], slot[i], rnd[i] = t, j, w, s, r
-            js = self.jobs.get(j)
             is_norm = t == _PT.NORM
-            if ver != VERSION:
-                code = _CI.BAD_VERSION
-            elif t != _PT.DATA and not is_norm:
-                code = _CI.BAD_TYPE
-            elif js is None:
-                code = _CI.UNKNOWN_JOB
-            elif key != js.key:
-                code = _CI.BAD_KEY
-            elif table != js.table_id:
-                code = _CI.BAD_TABLE
-            elif w >= js.workers:
-                code = _CI.BAD_WORKER
-            elif s >= js.slots:
-                code = _CI.BAD_SLOT
-            elif s % self.shards != self.shard:
-                code = _CI.WRONG_SHARD
-            elif (elems, width, length) != ((1, 32, HEADER_BYTES + 4) if is_norm else js.data_format):
-                code = _CI.BAD_FORMAT
-            else:
-                code = 0
-                if is_norm:
-                    bits = int.from_bytes(buf[i, HEADER_BYTES:HEADER_BYTES + 4].tobytes(), "big")
-                    if bits >> 31 or (bits >> 23) & 0xFF == 0xFF:
-                        code = _CI.BAD_NORM
-                    norm_bits[i] = bits
+            norm = buf[i, HEADER_BYTES:HEADER_BYTES + 4].tobytes() if is_norm else b""
+            failed = validate(hdr, length, norm, self.jobs, self.shard, self.shards)
+            code = 0 if failed is None else int(failed)
+            if is_norm and not code:
+                norm_bits[i] = int.from_bytes(norm, "big")
             if code:
                 c[code] += 1
                 continue

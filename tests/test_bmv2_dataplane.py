@@ -35,6 +35,7 @@ from scapy.packet import Raw
 
 from aggregator.engine import Aggregator
 from aggregator.p4rt import SwitchRejected, ThcSwitch
+from aggregator.state import ReferenceAggregator
 from tests.p4_support import need_root, need_tools
 from tests.scenarios import A_B, JOB, SCENARIOS, A, B, C
 from topologies.bmv2 import Bmv2Config, Bmv2Switch, CompiledProgram, compile_program
@@ -344,7 +345,7 @@ def test_four_workers_allreduce_bit_exact(rig: Rig) -> None:
     tx = [d for i in range(PORTS) for _, f in read_pcap(pcap_dir / f"s{i}_out.pcap")
           if (d := thc_of(f)) is not None and len(d) >= 4 and int.from_bytes(d[2:4], "big") == cfg.job]
     assert rx and tx, "no THC packets of the job in BMv2's pcaps"
-    ref = Aggregator([cfg])
+    ref = ReferenceAggregator([cfg])
     ref_answers = set()
     for _, d in rx:
         ref_answers.update(data for _, data in ref.handle(d))

@@ -1,6 +1,13 @@
-"""Fuzzing the parser and the state machine with hypothesis: random bytes never crash it and are
-all counted; valid-but-hostile sequences match an independent, deliberately naive model of the
-state table (dicts and loops, written from docs/protocol.md)."""
+"""Fuzzing the parser and the state machine with hypothesis.
+
+- Random bytes never crash the batch engine and are all counted.
+- Valid-but-hostile sequences match an independent, deliberately naive model of the state table
+  (dicts and loops, written from docs/protocol.md): the reference (aggregator/state.py) and every path
+  of the batch engine (aggregator/engine.py).
+- Differential: the engine, fed in batches of any size, produces the reference's packets byte for
+  byte, its counters, and its slot and bank state, on valid, damaged and truncated packets of a THC
+  and an uncompressed job, sharded or not.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aggregator.engine import Aggregator
+from aggregator.state import ReferenceAggregator
 from worker_lib.job import JobConfig
 from worker_lib.wire import HEADER_BYTES, Header, PacketType, pack_indices_np
 from worker_lib.wire.protocol import Counter
@@ -80,9 +88,9 @@ packet = st.fixed_dictionaries({
 })
 
 
-# The aggregator's paths: packet-at-a-time checks and state table; vectorized checks, then slot groups
-# wherever possible; vectorized checks with the state table packet by packet.
-PATHS = [{"scalar_below": 1000}, {"scalar_below": 0, "group_min": 1}, {"scalar_below": 0, "group_min": 1000}]
+# The engine's paths: packet-at-a-time checks and state table; vectorized checks, then slot groups
+# wherever possible; vectorized checks with the state table packet by packet. None: the reference.
+PATHS = [{"scalar_below": 1000}, {"scalar_below": 0, "group_min": 1}, {"scalar_below": 0, "group_min": 1000}, None]
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -90,7 +98,7 @@ PATHS = [{"scalar_below": 1000}, {"scalar_below": 0, "group_min": 1}, {"scalar_b
 def test_hostile_sequences_match_naive_model(pkts: list[dict], batch: int, threshold: int, path: dict) -> None:
     """Valid packets in any order (duplicates, old and new rounds, wraparound, mixed kinds), processed
     in batches of any size, under a partial and a full threshold, produce exactly the model's packets
-    (each caused by the same packet as in the model), whichever path the aggregator takes."""
+    (each caused by the same packet as in the model), in the reference and on every engine path."""
     _check_against_model(pkts, batch, threshold, path)
 
 
@@ -118,19 +126,16 @@ def test_workerlike_traffic_matches_naive_model(seed: int, batch: int, threshold
     _check_against_model([pkts[i] for i in order], batch, threshold, path)
 
 
-def _check_against_model(pkts: list[dict], batch: int, threshold: int, path: dict) -> None:
-    agg = Aggregator([dataclasses.replace(CFG, threshold=threshold)], max_batch=16, **path)
+def _check_against_model(pkts: list[dict], batch: int, threshold: int, path: dict | None) -> None:
+    """Feed ``pkts`` to the engine on ``path`` in batches of ``batch`` (or, with ``path`` None, to the
+    reference one by one) and compare every output with the naive model's."""
+    cfg = dataclasses.replace(CFG, threshold=threshold)
+    if path is None:
+        agg = _ReferenceBatches(ReferenceAggregator([cfg]))
+    else:
+        agg = Aggregator([cfg], max_batch=16, **path)
     model: dict = {}
-    wires = []
-    for p in pkts:
-        if p["type"] == PacketType.DATA:
-            payload = pack_indices_np(np.array(p["indices"]), CFG.bits).tobytes()
-            fields = {"elems": K, "width": CFG.bits}
-        else:
-            payload = p["norm_bits"].to_bytes(4, "big")
-            fields = {"elems": 1, "width": 32}
-        wires.append(Header(type=p["type"], job=CFG.job, key=CFG.key, table_id=CFG.table_id, worker=p["worker"],
-                            slot=p["slot"], round=p["round"], **fields).pack(payload))
+    wires = [_wire(p) for p in pkts]
     for start in range(0, len(pkts), batch):
         chunk = wires[start:start + batch]
         buf = np.zeros((len(chunk), agg.stride), np.uint8)
@@ -208,3 +213,102 @@ def test_scalar_and_vectorized_paths_agree(items: list) -> None:
     assert np.array_equal(scalar.counters, vector.counters)
     assert out_s == out_v
     assert np.array_equal(scalar.last_good, vector.last_good)
+
+
+class _Results:
+    """The engine's ``Outputs`` interface (``src``, ``count``, ``packets()``) over the reference's outputs."""
+
+    def __init__(self, outputs: list[tuple[int, tuple[bool, bytes]]]) -> None:
+        self.src = np.array([i for i, _ in outputs], np.int64)
+        self.count = len(outputs)
+        self._packets = [o for _, o in outputs]
+
+    def packets(self) -> list[tuple[bool, bytes]]:
+        return self._packets
+
+
+class _ReferenceBatches:
+    """The reference fed a batch buffer one packet at a time, answering like ``Aggregator.process``."""
+
+    def __init__(self, ref: ReferenceAggregator) -> None:
+        self.ref, self.stride = ref, 256
+
+    def process(self, buf: np.ndarray, lengths: np.ndarray) -> _Results:
+        return _Results([(i, o) for i, n in enumerate(lengths) for o in self.ref.handle(buf[i, :n].tobytes())])
+
+
+UNCOMPRESSED = JobConfig(job=9, key=0x5EED, workers=3, threshold=2, kind="uncompressed", slots=2, elems=K)
+
+
+def _uncompressed_wire(p: dict) -> bytes:
+    """``p`` as a packet of the uncompressed job: DATA carries K int32 values (from its indices and norm)."""
+    if p["type"] == PacketType.DATA:
+        ints = (np.array(p["indices"], np.int64) - 2) * (p["norm_bits"] | 1) * 1021  # large, both signs: wraps
+        payload, fields = ints.astype(np.int32).astype(">i4").tobytes(), {"elems": K, "width": 32}
+    else:
+        payload, fields = p["norm_bits"].to_bytes(4, "big"), {"elems": 1, "width": 32}
+    return Header(type=p["type"], job=UNCOMPRESSED.job, key=UNCOMPRESSED.key, worker=p["worker"], slot=p["slot"],
+                  round=p["round"], **fields).pack(payload)
+
+
+def _damaged(wire: bytes, dmg: object) -> bytes:
+    """A packet with ``dmg`` applied: byte writes, a truncation, or an infinite/NaN or negative norm."""
+    w = bytearray(wire)
+    if isinstance(dmg, list):
+        for pos, value in dmg:
+            w[pos % len(w)] = value
+    elif isinstance(dmg, int):
+        w = w[:dmg]
+    elif dmg == "inf":
+        w[HEADER_BYTES] |= 0x7F
+        w[HEADER_BYTES + 1] |= 0x80
+    elif dmg == "negative":
+        w[HEADER_BYTES] |= 0x80
+    return bytes(w)
+
+
+def _assert_same_state(engine: Aggregator, ref: ReferenceAggregator) -> None:
+    """Every slot and bank of every job holds the same state in the engine as in the reference."""
+    for j, job in ref.jobs.items():
+        js = engine.jobs[j]
+        for s, slot in enumerate(job.slots):
+            assert bool(js.used[s]) == slot.used
+            if slot.used:
+                assert int(js.cur_round[s]) == slot.round
+            for b, bank in enumerate(slot.banks):
+                i = 2 * s + b
+                if bank.round is None:
+                    assert js.bank_round[i] < 0
+                    continue
+                assert (int(js.bank_round[i]), int(js.kind[i]), int(js.bitmap[i]), int(js.count[i]),
+                        bool(js.complete[i])) == (bank.round, bank.kind, bank.bitmap, bank.count, bank.complete)
+                if bank.kind == PacketType.NORM:
+                    assert int(js.norm[i]) == bank.norm
+                else:
+                    assert np.array_equal(js.sums[s, b], bank.sums)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(packet, damage, st.booleans()), min_size=1, max_size=48), st.integers(1, 20),
+       st.sampled_from(PATHS[:3]), st.sampled_from([(0, 1), (1, 2)]))
+def test_engine_matches_reference(items: list, batch: int, path: dict, shard: tuple[int, int]) -> None:
+    """The batch engine is the reference, faster: for packets of a THC and an uncompressed job (valid,
+    damaged, truncated; duplicates, stale and new rounds, wraparound, both kinds), fed in batches of
+    any size on any engine path, under sharding or not, it sends the reference's packets byte for byte
+    (each caused by the same packet), counts the same, and leaves every slot and bank as the reference
+    does."""
+    wires = [_damaged(_wire(p) if thc else _uncompressed_wire(p), dmg) for p, dmg, thc in items]
+    jobs = [CFG, UNCOMPRESSED]
+    ref = ReferenceAggregator(jobs, shard=shard[0], shards=shard[1])
+    engine = Aggregator(jobs, max_batch=32, shard=shard[0], shards=shard[1], **path)
+    for start in range(0, len(wires), batch):
+        chunk = wires[start:start + batch]
+        buf = np.zeros((len(chunk), engine.stride), np.uint8)
+        for i, w in enumerate(chunk):
+            buf[i, :len(w)] = np.frombuffer(w, np.uint8)
+        res = engine.process(buf, np.array([len(w) for w in chunk]))
+        got = sorted(zip(res.src[:res.count].tolist(), res.packets(), strict=True))
+        want = [(i, o) for i, w in enumerate(chunk) for o in ref.handle(w)]
+        assert got == want
+    assert engine.counters.tolist() == ref.counters
+    _assert_same_state(engine, ref)

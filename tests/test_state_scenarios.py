@@ -1,4 +1,5 @@
-"""Run the target-neutral scenario table (tests/scenarios.py) against the Python state machine."""
+"""Run the target-neutral scenario table (tests/scenarios.py) against both Python implementations of the
+state table: the reference (aggregator/state.py) and the batch engine (aggregator/engine.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from aggregator.engine import Aggregator
+from aggregator.state import ReferenceAggregator
 from tests.scenarios import SCENARIOS
 from worker_lib.job import job_from_mapping
 from worker_lib.wire import Header, PacketType, bits_float, float_bits, pack_indices_np
@@ -65,11 +67,15 @@ def _check(got: tuple[bool, bytes], want: dict, jobs: dict, where: str) -> None:
         assert payload == b""
 
 
+IMPLEMENTATIONS = {"reference": ReferenceAggregator, "engine": Aggregator}
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s["name"] for s in SCENARIOS])
-def test_scenario(scenario: dict) -> None:
+def test_scenario(scenario: dict, impl: str) -> None:
     """Each packet produces exactly the listed packets, and the counters end as listed."""
     jobs = {c.job: c for c in (job_from_mapping(dict(j)) for j in scenario["jobs"])}
-    agg = Aggregator(jobs.values())
+    agg = IMPLEMENTATIONS[impl](jobs.values())
     for n, step in enumerate(scenario["steps"]):
         got = agg.handle(_build(step["send"], jobs))
         where = f"{scenario['name']} step {n}"

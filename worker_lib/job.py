@@ -74,6 +74,7 @@ class JobConfig:
     max_message: int | None = None  #: dar: largest codec message, bytes (uplink and downlink)
     seed: int | None = None  #: dar: base seed of the per-round re-encoding seed (default 0)
     _lookup: LookupTable | None = field(default=None, init=False, repr=False, compare=False)
+    _table_id: int = field(default=0, init=False, repr=False, compare=False)  # a hash: computed once
 
     def __post_init__(self) -> None:
         if not 0 <= self.job < 1 << 16:
@@ -117,6 +118,7 @@ class JobConfig:
             except ValueError as exc:
                 raise JobConfigError(f"job {self.job}: {exc}") from None
             object.__setattr__(self, "_lookup", lookup)
+            object.__setattr__(self, "_table_id", lookup.table_id())
             top = self.granularity * self.workers
             if self.result_bits is None:
                 fit = [w for w in RESULT_WIDTHS if top < 1 << w]
@@ -220,7 +222,7 @@ class JobConfig:
     @property
     def table_id(self) -> int:
         """The table id packets must carry (0 for uncompressed jobs)."""
-        return self._lookup.table_id() if self._lookup is not None else 0
+        return self._table_id
 
     @property
     def data_width(self) -> int:
