@@ -3,8 +3,9 @@
 Each scenario is DATA: job configurations, then packets sent in order, each with the exact packets
 the aggregator must answer ("to": "all" = every worker of the job, "sender" = unicast back), then
 the counters expected at the end. Expected sums are written by hand from the scenario's explicit
-table, never computed by the code under test. tests/test_state_scenarios.py runs them against the
-Python state machine; a later issue runs the same table against BMv2.
+table, never computed by the code under test. tests/test_state_scenarios.py runs them against both
+Python implementations (the reference aggregator/state.py and the batch engine aggregator/engine.py);
+tests/test_bmv2_dataplane.py runs the same table against the BMv2 program on simple_switch_grpc.
 
 Packet fields not given default to: version 1, job 1, key KEY, table_id of the job, tensor 0,
 chunk 0, elems K, width b (THC DATA) or 32 (norms, uncompressed). A packet gives its payload as

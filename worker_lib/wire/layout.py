@@ -1,10 +1,10 @@
 """The THC header, defined once.
 
-Every other rendering of the header derives from ``FIELDS``: the big-endian numpy dtype of the batch
-(de)serializer, the scapy layer's ``fields_desc``, the Wireshark Lua dissector, and the field table
-of docs/protocol.md (a test checks that the document matches). P4 headers will be generated from or
-checked against it, so every field is fixed-width and byte-aligned: a switch parser extracts it in
-one go and a Tofino register can hold it.
+Every other rendering of the header derives from ``FIELDS``: the typed ``protocol.Header``, the
+big-endian numpy dtype of the batch (de)serializer, the scapy layer's ``fields_desc``, the Wireshark
+Lua dissector, the P4 header of both programs (``python -m p4gen.headers``) and the field table of
+docs/protocol.md (tests check that each generated or written copy matches). Every field is
+fixed-width and byte-aligned: a switch parser extracts it in one go and a Tofino register can hold it.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class Field:
 
 FIELDS: tuple[Field, ...] = (
     Field("version", 8, f"protocol version, {VERSION}; other values are dropped"),
-    Field("type", 8, "packet type: 1 DATA, 2 RESULT, 3 NORM, 4 NORM_RESULT, 5 STRAGGLER"),
+    Field("type", 8, "packet type: 1 DATA, 2 RESULT, 3 NORM, 4 NORM_RESULT, 5 STRAGGLER, 6 DAR_DATA, "
+                     "7 DAR_RESULT"),
     Field("job", 16, "job id; selects the job's configuration and registers"),
     Field("key", 32, "the job's shared secret; a packet with another key is dropped"),
     Field("table_id", 16, "id of the THC lookup table (LookupTable.table_id()); 0 for uncompressed jobs"),
