@@ -26,9 +26,10 @@ import numpy as np
 
 from aggregator.state import validate
 from worker_lib.job import JobConfig, JobConfigError
+from worker_lib.wire.bits import unpack_bits
 from worker_lib.wire.layout import HEADER_BYTES, VERSION, PacketType
 from worker_lib.wire.protocol import Counter, Header, serial_newer
-from worker_lib.wire.serializer import header_view, unpack_indices_np
+from worker_lib.wire.serializer import header_view
 
 log = logging.getLogger(__name__)
 
@@ -351,7 +352,7 @@ class Aggregator:
         if js.byte_lut is not None:
             return js.byte_lut[pay.astype(np.intp)].view(js.value_dtype).reshape(rows.size, cfg.elems)
         if cfg.kind == "thc":
-            return js.values[unpack_indices_np(pay, cfg.bits, cfg.elems)]
+            return js.values[unpack_bits(pay, cfg.bits, cfg.elems)]
         return np.ascontiguousarray(pay).view(">i4").astype(np.int32)
 
     def _fast_path(self, js: JobState, buf: np.ndarray, rows: np.ndarray, typ: np.ndarray, worker: np.ndarray,

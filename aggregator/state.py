@@ -21,9 +21,10 @@ from typing import Protocol
 import numpy as np
 
 from worker_lib.job import JobConfig, JobConfigError
+from worker_lib.wire.bits import unpack_bits
 from worker_lib.wire.layout import HEADER_BYTES, VERSION, PacketType
 from worker_lib.wire.protocol import Counter, Header, serial_newer
-from worker_lib.wire.serializer import encode_sums, unpack_indices_np
+from worker_lib.wire.serializer import encode_sums
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ def contribution(cfg: JobConfig, hdr: Header, payload: bytes) -> np.ndarray | in
     if hdr.type == PacketType.NORM:
         return int.from_bytes(payload[:4], "big")
     if cfg.kind == "thc":
-        return cfg.values()[unpack_indices_np(np.frombuffer(payload, np.uint8), cfg.bits, cfg.elems)]
+        return cfg.values()[unpack_bits(np.frombuffer(payload, np.uint8), cfg.bits, cfg.elems)]
     return np.frombuffer(payload, ">i4").astype(np.int32)
 
 

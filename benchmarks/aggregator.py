@@ -40,7 +40,7 @@ from aggregator.engine import DEFAULT_STRIDE
 from aggregator.io import BatchSocket, sockaddr_in, udp_socket
 from launchers.aggregator_process import listening_port
 from worker_lib.job import JobConfig
-from worker_lib.wire import build_batch, pack_indices_np
+from worker_lib.wire import build_batch, pack_bits
 
 WORKERS = 4
 
@@ -62,7 +62,7 @@ def generator(port: int, shards: int, cfg: JobConfig, seconds: float, window: in
     """Closed-loop load: 4 emulated workers, slot u mod S and round u div S for use u."""
     rng = np.random.default_rng(0)
     pool = 64
-    payload = pack_indices_np(rng.integers(0, 16, (pool, cfg.elems)).astype(np.uint8), cfg.bits)
+    payload = pack_bits(rng.integers(0, 16, (pool, cfg.elems)).astype(np.uint8), cfg.bits)
     templates = build_batch({"type": 1, "job": cfg.job, "key": cfg.key, "table_id": cfg.table_id,
                              "worker": 0, "elems": cfg.elems, "width": cfg.bits}, payload)
     length = templates.shape[1]
@@ -209,7 +209,7 @@ def _thc_round_cpu(d: int, workers: int, rounds: int, batch: int = 256) -> list[
     cfg = JobConfig(job=1, workers=workers, elems=k, slots=chunks)
     agg = Aggregator([cfg], max_batch=batch)
     rng = np.random.default_rng(1)
-    payload = pack_indices_np(rng.integers(0, 1 << cfg.bits, (chunks * workers, k)).astype(np.uint8), cfg.bits)
+    payload = pack_bits(rng.integers(0, 1 << cfg.bits, (chunks * workers, k)).astype(np.uint8), cfg.bits)
     pkts = build_batch({"type": 1, "job": cfg.job, "key": cfg.key, "table_id": cfg.table_id,
                         "worker": np.tile(np.arange(workers), chunks), "slot": np.repeat(np.arange(chunks), workers),
                         "elems": k, "width": cfg.bits}, payload)

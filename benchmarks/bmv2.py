@@ -45,7 +45,7 @@ from topologies.bmv2 import Bmv2Config, Bmv2Switch, compile_program
 from topologies.netns import PACKET_OUTGOING
 from topologies.nsstar import SERVICE_IP, SWITCH_MAC, NsStar
 from worker_lib.job import JobConfig
-from worker_lib.wire import Header, PacketType, pack_indices_np
+from worker_lib.wire import Header, PacketType, pack_bits
 from worker_lib.wire.layout import THC_UDP_PORT
 
 log = logging.getLogger("benchmarks.bmv2")
@@ -97,7 +97,7 @@ def run(workers: int, chunks: int, elems: int, bits: int, slots: int, workdir: P
                         idx = rng.integers(0, 1 << bits, elems, dtype=np.uint8)
                         thc = Header(type=PacketType.DATA, job=cfg.job, key=cfg.key, table_id=cfg.table_id,
                                      worker=h.port, slot=c % slots, round=(c // slots) & 0xFFFF, chunk=c, elems=elems,
-                                     width=bits).pack(pack_indices_np(idx, bits).tobytes())
+                                     width=bits).pack(pack_bits(idx, bits).tobytes())
                         thc_frames.append((h.port, bytes(
                             Ether(src=h.mac, dst=SWITCH_MAC) / IP(src=h.ip, dst=SERVICE_IP)
                             / UDP(sport=40000 + h.port, dport=THC_UDP_PORT) / Raw(thc))))

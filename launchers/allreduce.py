@@ -23,8 +23,9 @@ import numpy as np
 from aggregator.engine import Aggregator
 from launchers.aggregator_process import die_with_parent, local_aggregator
 from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig, JobConfigError
+from worker_lib.wire.bits import pack_bits
 from worker_lib.wire.layout import PacketType
-from worker_lib.wire.serializer import build_batch, decode_sums, header_view, pack_indices_np
+from worker_lib.wire.serializer import build_batch, decode_sums, header_view
 
 
 @dataclass
@@ -108,7 +109,7 @@ def reference_sums(cfg: JobConfig, indices: list[np.ndarray], bitmaps: np.ndarra
     """
     chunks = max(1, -(-indices[0].size // cfg.elems))
     padded = [np.concatenate([ix, np.zeros(chunks * cfg.elems - ix.size, np.uint8)]) for ix in indices]
-    payload = [pack_indices_np(ix.reshape(chunks, cfg.elems), cfg.bits) for ix in padded]
+    payload = [pack_bits(ix.reshape(chunks, cfg.elems), cfg.bits) for ix in padded]
     out = np.zeros((chunks, cfg.elems), np.int64)
     batch = 256
     for bm in np.unique(bitmaps).tolist():

@@ -25,6 +25,7 @@ import numpy as np
 
 from aggregator.engine import Aggregator
 from worker_lib.job import JobConfig
+from worker_lib.wire.bits import pack_bits
 from worker_lib.wire.layout import HEADER_BYTES, PacketType
 from worker_lib.wire.protocol import use_slot_round
 from worker_lib.wire.serializer import (
@@ -33,7 +34,6 @@ from worker_lib.wire.serializer import (
     decode_sums,
     float_bits,
     header_view,
-    pack_indices_np,
 )
 
 
@@ -148,7 +148,7 @@ class SimulatedNetwork:
         if length % k:
             raise ValueError(f"a tensor of {length} indices is not a whole number of {k}-index chunks")
         chunks = length // k
-        packed = pack_indices_np(indices.reshape(n * chunks, k), job.bits).reshape(n, chunks, -1)
+        packed = pack_bits(indices.reshape(n * chunks, k), job.bits).reshape(n, chunks, -1)
         res = ChunkResults(np.zeros((n, chunks, k), np.int64), np.zeros((n, chunks), np.int64),
                            np.ones((n, chunks), bool))
         for c in range(chunks):

@@ -43,7 +43,7 @@ from topologies.netns import PACKET_OUTGOING
 from topologies.nsstar import SERVICE_IP, SWITCH_MAC, Host, NsStar
 from topologies.worker import worker_indices, worker_norm
 from worker_lib.job import JobConfig, job_from_mapping
-from worker_lib.wire import Header, PacketType, bits_float, float_bits, pack_indices_np
+from worker_lib.wire import Header, PacketType, bits_float, float_bits, pack_bits
 from worker_lib.wire.layout import THC_UDP_PORT, field_offsets
 from worker_lib.wire.protocol import Counter
 
@@ -163,7 +163,7 @@ def thc_bytes(send: dict, jobs: dict[int, JobConfig]) -> bytes:
         fields.setdefault("elems", len(send["ints"]))
         fields.setdefault("width", 32)
     else:
-        payload = pack_indices_np(np.asarray(send["indices"]), cfg.bits).tobytes()
+        payload = pack_bits(np.asarray(send["indices"]), cfg.bits).tobytes()
         fields.setdefault("elems", len(send["indices"]))
         fields.setdefault("width", cfg.bits)
     pkt = Header(**fields).pack(payload)

@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker_lib.codecs.bits import float_bytes, pack_bits, read_floats, unpack_bits, width_for
+from worker_lib.codecs.bits import float_bytes, read_floats, width_for
 from worker_lib.thc.quantize import pack_indices
+from worker_lib.wire.bits import pack_bits, unpack_bits
 
 
 def reference_pack(values: list[int], width: int) -> bytes:

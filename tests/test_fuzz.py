@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from aggregator.engine import Aggregator
 from aggregator.state import ReferenceAggregator
 from worker_lib.job import JobConfig
-from worker_lib.wire import HEADER_BYTES, Header, PacketType, pack_indices_np
+from worker_lib.wire import HEADER_BYTES, Header, PacketType, pack_bits
 from worker_lib.wire.protocol import Counter
 
 K = 8
@@ -165,7 +165,7 @@ def _check_against_model(pkts: list[dict], batch: int, threshold: int, path: dic
 
 def _wire(p: dict) -> bytes:
     if p["type"] == PacketType.DATA:
-        payload, fields = pack_indices_np(np.array(p["indices"]), CFG.bits).tobytes(), {"elems": K, "width": CFG.bits}
+        payload, fields = pack_bits(np.array(p["indices"]), CFG.bits).tobytes(), {"elems": K, "width": CFG.bits}
     else:
         payload, fields = p["norm_bits"].to_bytes(4, "big"), {"elems": 1, "width": 32}
     return Header(type=p["type"], job=CFG.job, key=CFG.key, table_id=CFG.table_id, worker=p["worker"], slot=p["slot"],

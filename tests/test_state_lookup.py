@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from aggregator.engine import _byte_lut, _value_dtype
-from worker_lib.wire import pack_indices_np
+from worker_lib.wire import pack_bits
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
@@ -17,7 +17,7 @@ def test_byte_lut_matches_unpacked_lookup(bits: int, top: int) -> None:
     values = np.sort(rng.integers(0, top + 1, 1 << bits)).astype(np.int64)
     values[-1] = top
     idx = rng.integers(0, 1 << bits, (5, 64)).astype(np.uint8)
-    packed = pack_indices_np(idx, bits)
+    packed = pack_bits(idx, bits)
     vdt = _value_dtype(values)
     assert vdt.itemsize == (1 if top < 256 else 2 if top < 65536 else 4)
     got = _byte_lut(values, bits)[packed.astype(np.intp)].view(vdt).reshape(idx.shape)

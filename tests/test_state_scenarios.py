@@ -12,7 +12,7 @@ from aggregator.engine import Aggregator
 from aggregator.state import ReferenceAggregator
 from tests.scenarios import SCENARIOS
 from worker_lib.job import job_from_mapping
-from worker_lib.wire import Header, PacketType, bits_float, float_bits, pack_indices_np
+from worker_lib.wire import Header, PacketType, bits_float, float_bits, pack_bits
 from worker_lib.wire.protocol import Counter
 
 
@@ -36,7 +36,7 @@ def _build(send: dict, jobs: dict) -> bytes:
         fields.setdefault("elems", len(send["ints"]))
         fields.setdefault("width", 32)
     else:
-        payload = pack_indices_np(np.asarray(send["indices"]), cfg.bits).tobytes()
+        payload = pack_bits(np.asarray(send["indices"]), cfg.bits).tobytes()
         fields.setdefault("elems", len(send["indices"]))
         fields.setdefault("width", cfg.bits)
     pkt = Header(**fields).pack(payload)

@@ -24,9 +24,9 @@ from worker_lib.wire import (
     encode_sums,
     float_bits,
     header_view,
-    pack_indices_np,
+    pack_bits,
     serial_newer,
-    unpack_indices_np,
+    unpack_bits,
 )
 from worker_lib.wire.layout import field_offsets
 from worker_lib.wire.scapy_layer import THC
@@ -96,18 +96,18 @@ def test_numpy_packing_matches_thc_pack_indices(bits: int) -> None:
     rng = np.random.default_rng(bits)
     for count in (8, 24, 1000):
         idx = rng.integers(0, 1 << bits, count).astype(np.uint8)
-        ours = pack_indices_np(idx, bits)
+        ours = pack_bits(idx, bits)
         theirs = pack_indices(torch.from_numpy(idx), bits).numpy()
         assert ours.tobytes() == theirs.tobytes()
-        assert np.array_equal(unpack_indices_np(ours, bits, count), idx)
+        assert np.array_equal(unpack_bits(ours, bits, count), idx)
         assert np.array_equal(unpack_indices(torch.from_numpy(ours), bits, count).numpy(), idx)
 
 
 def test_msb_first_explicit() -> None:
     """Index 0 sits in the top bits of byte 0 (hand-written bytes)."""
-    assert pack_indices_np(np.array([1, 2, 3, 4, 5, 6, 7, 8]), 4).tobytes() == bytes([0x12, 0x34, 0x56, 0x78])
-    assert pack_indices_np(np.array([1, 0, 1, 1, 0, 0, 0, 1]), 1).tobytes() == bytes([0b10110001])
-    assert pack_indices_np(np.array([3, 0, 2, 1, 0, 0, 0, 0]), 2).tobytes() == bytes([0b11001001, 0])
+    assert pack_bits(np.array([1, 2, 3, 4, 5, 6, 7, 8]), 4).tobytes() == bytes([0x12, 0x34, 0x56, 0x78])
+    assert pack_bits(np.array([1, 0, 1, 1, 0, 0, 0, 1]), 1).tobytes() == bytes([0b10110001])
+    assert pack_bits(np.array([3, 0, 2, 1, 0, 0, 0, 0]), 2).tobytes() == bytes([0b11001001, 0])
 
 
 def test_batch_serializer_rows_equal_single_packets() -> None:
@@ -148,3 +148,16 @@ def test_serial_arithmetic() -> None:
 def test_parse_short_packet_raises() -> None:
     with pytest.raises(ValueError, match="shorter than the 32-byte header"):
         Header.parse(b"\x01\x02")
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 31, 32])
+def test_pack_bits_rows_are_packed_like_single_payloads(width: int) -> None:
+    """A 2-D array packs (and unpacks) row by row exactly as each row alone, for every width."""
+    rng = np.random.default_rng(width)
+    for count in (8, 13, 40):
+        rows = rng.integers(0, 1 << width, (5, count), dtype=np.int64)
+        packed = pack_bits(rows, width)
+        assert packed.shape == (5, -(-count * width // 8))
+        for r in range(5):
+            assert packed[r].tobytes() == pack_bits(rows[r], width).tobytes()
+        assert np.array_equal(unpack_bits(packed, width, count), rows)

@@ -50,10 +50,11 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from worker_lib.job import JobConfig
+from worker_lib.wire.bits import pack_bits
 from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, HEADER_STRUCT, VERSION, PacketType
 from worker_lib.wire.pcap import PcapWriter
 from worker_lib.wire.protocol import fragment_count, next_round, serial_newer
-from worker_lib.wire.serializer import build_batch, float_bits, pack_indices_np
+from worker_lib.wire.serializer import build_batch, float_bits
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +209,7 @@ class Transport:
         chunks = max(1, math.ceil(idx.size / p.elems))
         padded = np.zeros(chunks * p.elems, np.uint8)
         padded[: idx.size] = idx
-        payload = pack_indices_np(padded.reshape(chunks, p.elems), p.bits)
+        payload = pack_bits(padded.reshape(chunks, p.elems), p.bits)
         return self.run_uses(PacketType.DATA, payload, tensor=tensor)
 
     def exchange_int32(self, values: np.ndarray, *, tensor: int = 0) -> UseResults:

@@ -44,8 +44,9 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from worker_lib.codecs.bits import pack_bits, unpack_bits, width_for
+from worker_lib.codecs.bits import width_for
 from worker_lib.thc.quantize import UniformSource
+from worker_lib.wire.bits import pack_bits, unpack_bits
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +272,7 @@ class HomomorphicCodec(Codec):
         count = self.transmitted(ctx)
         if msg.bits != count * self.index_bits:
             raise ValueError(f"expected {count * self.index_bits} bits, got {msg.bits}")
-        idx = unpack_bits(msg.payload, self.index_bits, count)
+        idx = unpack_bits(msg.payload, self.index_bits, count).astype(np.int64)
         if idx.size and int(idx.max()) >= self.table.size:
             raise ValueError(f"an index is outside the table of {self.table.size} values: corrupt data")
         return idx
@@ -302,7 +303,7 @@ class HomomorphicCodec(Codec):
         if msg.bits != count * width:
             raise ValueError(f"expected {count * width} downlink bits for {ctx.workers} workers, "
                              f"got {msg.bits}")
-        return torch.from_numpy(unpack_bits(msg.payload, width, count)).to(self.device)
+        return torch.from_numpy(unpack_bits(msg.payload, width, count).astype(np.int64)).to(self.device)
 
     def decode_result(self, msg: Message, ctx: RoundContext) -> torch.Tensor:
         return self.from_sums(self.sums(msg, ctx), ctx)

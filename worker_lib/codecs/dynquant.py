@@ -47,8 +47,9 @@ import numpy as np
 import torch
 
 from worker_lib.codecs.base import CodecState, DARCodec, Message, RoundContext, check_input, require
-from worker_lib.codecs.bits import FLOAT_BITS, float_bytes, pack_bits, unpack_bits, width_for
+from worker_lib.codecs.bits import FLOAT_BITS, float_bytes, width_for
 from worker_lib.codecs.huffman import HuffmanCode, entropy_bits
+from worker_lib.wire.bits import pack_bits, unpack_bits
 
 MAX_BITS = 16  # 2^N histogram bins travel with every package
 
@@ -143,7 +144,7 @@ class DynamicQuantization(DARCodec):
         if msg.bits < 72 + table_bits:
             raise ValueError("message too short for its histogram")
         bits = np.unpackbits(msg.payload)[: msg.bits]
-        counts = unpack_bits(np.packbits(bits[72: 72 + table_bits]), cw, 1 << n_bits)
+        counts = unpack_bits(np.packbits(bits[72: 72 + table_bits]), cw, 1 << n_bits).astype(np.int64)
         if int(counts.sum()) != d:
             raise ValueError(f"the histogram counts {int(counts.sum())} values, the tensor has {d}")
         stream = bits[72 + table_bits:]

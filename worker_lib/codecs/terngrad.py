@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from worker_lib.codecs.base import CodecState, HomomorphicCodec, Message, RoundContext, check_input, require
-from worker_lib.codecs.bits import pack_bits
+from worker_lib.wire.bits import pack_bits
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ import numpy as np
 import torch
 
 from worker_lib.codecs.base import CodecState, HomomorphicCodec, Message, RoundContext, check_input
-from worker_lib.codecs.bits import pack_bits
 from worker_lib.thc.codec import THCCodec, THCConfig
 from worker_lib.thc.hadamard import next_pow2
 from worker_lib.thc.signs import SignKey
+from worker_lib.wire.bits import pack_bits
 
 
 class THC(HomomorphicCodec):

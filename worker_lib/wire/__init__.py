@@ -2,6 +2,7 @@
 numpy batch (de)serializer, scapy layer, pcap helpers and the generated Wireshark dissector.
 docs/protocol.md is the normative text."""
 
+from worker_lib.wire.bits import pack_bits, packed_bytes, unpack_bits
 from worker_lib.wire.layout import (
     FIELDS,
     HEADER_BYTES,
@@ -31,9 +32,6 @@ from worker_lib.wire.serializer import (
     encode_sums,
     float_bits,
     header_view,
-    pack_indices_np,
-    packed_bytes,
-    unpack_indices_np,
 )
 
 __all__ = [
@@ -60,9 +58,9 @@ __all__ = [
     "fragment_count",
     "header_view",
     "next_round",
-    "pack_indices_np",
+    "pack_bits",
     "packed_bytes",
     "serial_newer",
-    "unpack_indices_np",
+    "unpack_bits",
 ]
 

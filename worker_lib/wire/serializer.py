@@ -2,8 +2,8 @@
 
 The header is a big-endian structured dtype (``layout.HEADER_DTYPE``); a batch of received packets
 sits in a 2-D uint8 buffer (one row per packet), and ``header_view`` gives every header of the batch
-without copying. Payload helpers pack b-bit indices MSB-first exactly as
-``worker_lib.thc.pack_indices`` does, and carry sums at the job's result width, big-endian. Nothing
+without copying. Payload helpers carry sums at the job's result width, big-endian (b-bit indices are
+packed by ``worker_lib.wire.bits``). Nothing
 here needs torch: the transport's low-level calls and the aggregator use it directly.
 """
 
@@ -16,54 +16,6 @@ import numpy as np
 from worker_lib.wire.layout import FIELD_NAMES, HEADER_BYTES, VERSION, header_dtype
 
 _RESULT_DTYPES = {8: np.dtype(">u1"), 16: np.dtype(">u2"), 32: np.dtype(">u4")}
-
-
-def packed_bytes(count: int, bits: int) -> int:
-    """Bytes of ``count`` b-bit indices (count is a multiple of 8 on the wire)."""
-    return (count * bits + 7) // 8
-
-
-def pack_indices_np(indices: np.ndarray, bits: int) -> np.ndarray:
-    """Pack b-bit indices MSB-first (index 0 in the top bits of byte 0), like ``thc.pack_indices``.
-
-    ``indices`` may be 1-D (one payload) or 2-D (one payload per row); the last axis is padded with
-    zeros to a multiple of 8 elements.
-    """
-    if not 1 <= bits <= 8:
-        raise ValueError(f"bits must be in 1..8, got {bits}")
-    z = np.asarray(indices, dtype=np.uint8)
-    if z.size and int(z.max()) >= (1 << bits):
-        raise ValueError(f"an index does not fit in {bits} bits")
-    pad = (-z.shape[-1]) % 8
-    if pad:
-        z = np.concatenate([z, np.zeros((*z.shape[:-1], pad), np.uint8)], axis=-1)
-    if bits == 8:
-        return z.copy()
-    if bits == 4:
-        return (z[..., 0::2] << 4) | z[..., 1::2]
-    bitmat = np.unpackbits(z[..., None], axis=-1)[..., 8 - bits:]
-    return np.packbits(bitmat.reshape(*z.shape[:-1], -1), axis=-1)
-
-
-def unpack_indices_np(buf: np.ndarray, bits: int, count: int) -> np.ndarray:
-    """Inverse of ``pack_indices_np``: the first ``count`` indices of each row (uint8)."""
-    if not 1 <= bits <= 8:
-        raise ValueError(f"bits must be in 1..8, got {bits}")
-    b = np.asarray(buf, dtype=np.uint8)
-    need = packed_bytes(count, bits)
-    if b.shape[-1] < need:
-        raise ValueError(f"{b.shape[-1]} bytes cannot hold {count} indices of {bits} bits")
-    b = b[..., :need]
-    if bits == 8:
-        return b[..., :count].copy()
-    if bits == 4:
-        out = np.empty((*b.shape[:-1], 2 * need), np.uint8)
-        np.right_shift(b, 4, out=out[..., 0::2])
-        np.bitwise_and(b, 15, out=out[..., 1::2])
-        return out[..., :count]
-    bitmat = np.unpackbits(b, axis=-1)[..., : count * bits].reshape(*b.shape[:-1], count, bits)
-    weights = (1 << np.arange(bits - 1, -1, -1)).astype(np.uint8)
-    return (bitmat * weights).sum(axis=-1, dtype=np.uint8)
 
 
 def result_dtype(width: int) -> np.dtype:

@@ -1,0 +1,92 @@
+"""Fixed-width bit packing with numpy: THC's b-bit indices on the wire and the codecs' bit fields.
+
+Every field is written most significant bit first (field 0 in the top bits of byte 0), the order in
+which a P4 parser extracts consecutive ``bit<w>`` fields. ``count`` fields of ``width`` bits take
+``ceil(count * width / 8)`` bytes; the last byte is zero-padded. Both functions work along the last
+axis, so a 2-D array packs one row per packet. (``worker_lib.thc.pack_indices`` is the torch twin
+for tensors on any device; tests hold the two byte-identical.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def packed_bytes(count: int, width: int) -> int:
+    """Bytes of ``count`` fields of ``width`` bits."""
+    return (count * width + 7) // 8
+
+
+def _check_width(width: int) -> None:
+    if not 1 <= width <= 32:
+        raise ValueError(f"width must be in 1..32, got {width}")
+
+
+def pack_bits(values: np.ndarray, width: int) -> np.ndarray:
+    """Pack non-negative integers below 2^width into uint8, MSB first, along the last axis."""
+    _check_width(width)
+    v = np.asarray(values)
+    if v.size and (int(v.min()) < 0 or int(v.max()) >= (1 << width)):
+        raise ValueError(f"values outside [0, 2^{width})")
+    lead, count = v.shape[:-1], v.shape[-1] if v.ndim else 1
+    v = v.reshape(*lead, count)
+    need = packed_bytes(count, width)
+    if width == 8:
+        return v.astype(np.uint8)
+    if width > 8:  # the low ``width`` bits of each big-endian 32-bit word, concatenated
+        bits = np.unpackbits(v.astype(">u4").view(np.uint8).reshape(*lead, count, 4), axis=-1)[..., 32 - width:]
+        return np.packbits(bits.reshape(*lead, count * width), axis=-1)
+    pad = (-count) % 8
+    z = v.astype(np.uint8)
+    if pad:
+        z = np.concatenate([z, np.zeros((*lead, pad), np.uint8)], axis=-1)
+    if 8 % width == 0:  # whole fields per byte: shift each field into place and OR them
+        per = 8 // width
+        out = z[..., 0::per] << (8 - width)
+        for k in range(1, per):
+            out |= z[..., k::per] << (8 - width * (k + 1))
+        return out[..., :need]
+    # Eight fields make ``width`` whole bytes: assemble them in one 64-bit word per group of eight.
+    groups = z.reshape(*lead, -1, 8).astype(np.uint64)
+    word = np.zeros(groups.shape[:-1], np.uint64)
+    for k in range(8):
+        word |= groups[..., k] << np.uint64(width * (7 - k))
+    shifts = np.arange(8 * (width - 1), -1, -8, dtype=np.uint64)
+    out = ((word[..., None] >> shifts) & np.uint64(0xFF)).astype(np.uint8)
+    return out.reshape(*lead, -1)[..., :need]
+
+
+def unpack_bits(buf: np.ndarray, width: int, count: int) -> np.ndarray:
+    """Inverse of ``pack_bits``: the first ``count`` fields of each row (uint8 for widths up to 8,
+    int64 above)."""
+    _check_width(width)
+    b = np.asarray(buf, dtype=np.uint8)
+    lead = b.shape[:-1]
+    need = packed_bytes(count, width)
+    if b.shape[-1] < need:
+        raise ValueError(f"{b.shape[-1]} bytes cannot hold {count} fields of {width} bits")
+    b = b[..., :need]
+    if width == 8:
+        return b.copy()
+    if width > 8:
+        bits = np.unpackbits(b, axis=-1)[..., : count * width].reshape(*lead, count, width)
+        full = np.zeros((*lead, count, 32), np.uint8)
+        full[..., 32 - width:] = bits
+        return np.packbits(full, axis=-1).view(">u4").reshape(*lead, count).astype(np.int64)
+    mask = (1 << width) - 1
+    if 8 % width == 0:
+        per = 8 // width
+        out = np.empty((*lead, need * per), np.uint8)
+        for k in range(per):
+            np.bitwise_and(b >> (8 - width * (k + 1)), mask, out=out[..., k::per])
+        return out[..., :count]
+    groups = -(-count // 8)
+    raw = np.zeros((*lead, groups * width), np.uint64)
+    raw[..., :need] = b
+    raw = raw.reshape(*lead, groups, width)
+    word = np.zeros((*lead, groups), np.uint64)
+    for j in range(width):
+        word |= raw[..., j] << np.uint64(8 * (width - 1 - j))
+    shifts = np.arange(width * 7, -1, -width, dtype=np.uint64)
+    fields = (word[..., None] >> shifts) & np.uint64(mask)
+    return fields.astype(np.uint8).reshape(*lead, groups * 8)[..., :count]
