@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from aggregator.engine import DEFAULT_STRIDE
+from aggregator.state import check_addressing
 from worker_lib.job import JobConfig, JobConfigError
 from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, VERSION, PacketType
-from worker_lib.wire.protocol import DarCounter, fragment_count, serial_newer
+from worker_lib.wire.protocol import DarCounter, Header, fragment_count, serial_newer
 from worker_lib.wire.serializer import header_view
 
 if TYPE_CHECKING:
@@ -159,12 +160,12 @@ class DarAggregator:
         lens = np.asarray(lengths, np.int64).tolist()
         h = header_view(buf[:n])
         cols = {name: h[name].astype(np.int64).tolist()
-                for name in ("version", "job", "key", "table_id", "worker", "slot", "round", "chunk", "elems",
-                             "width")}
+                for name in ("job", "worker", "slot", "round", "chunk", "elems")}
         prefix = np.ascontiguousarray(buf[:n, HEADER_BYTES:FRAGMENT_OVERHEAD]).view(">u4").astype(np.int64)
         bits_l, frags_l = prefix[:, 0].tolist(), prefix[:, 1].tolist()
         for i in range(n):
-            reason = self._validate(i, lens[i], cols, bits_l[i], frags_l[i])
+            hdr, _ = Header.parse(buf[i, :HEADER_BYTES])
+            reason = self._validate(hdr, lens[i], bits_l[i], frags_l[i])
             if reason is not None:
                 c[reason] += 1
                 continue
@@ -176,36 +177,24 @@ class DarAggregator:
         return out
 
     # -- validation --------------------------------------------------------------------------------
-    def _validate(self, i: int, length: int, cols: dict[str, list[int]], bits: int, frags: int) -> DarCounter | None:
-        """The first failing check of row i (docs/protocol.md, DAR validation), or None."""
+    def _validate(self, hdr: Header, length: int, bits: int, frags: int) -> DarCounter | None:
+        """The first failing check of a fragment (docs/protocol.md, DAR validation), or None."""
         if length < FRAGMENT_OVERHEAD:
             return DarCounter.SHORT
-        if cols["version"][i] != VERSION:
+        if hdr.version != VERSION:
             return DarCounter.BAD_VERSION
-        js = self.jobs.get(cols["job"][i])
-        if js is None:
-            return DarCounter.UNKNOWN_JOB
-        cfg = js.cfg
-        if cols["key"][i] != cfg.key:
-            return DarCounter.BAD_KEY
-        if cols["table_id"][i] != 0:
-            return DarCounter.BAD_TABLE
-        if cols["worker"][i] >= cfg.workers:
-            return DarCounter.BAD_WORKER
-        s = cols["slot"][i]
-        if s >= cfg.slots:
-            return DarCounter.BAD_SLOT
-        if s % self.shards != self.shard:
-            return DarCounter.WRONG_SHARD
-        if cols["width"][i] != 8 or length != FRAGMENT_OVERHEAD + cols["elems"][i]:
+        js = self.jobs.get(hdr.job)
+        failed = check_addressing(hdr, js.cfg if js is not None else None, self.shard, self.shards)
+        if failed is not None:
+            return DarCounter[failed]
+        if hdr.width != 8 or length != FRAGMENT_OVERHEAD + hdr.elems:
             return DarCounter.BAD_FORMAT
-        if bits > js.max_bits or frags != fragment_count(-(-bits // 8), js.per):
-            return DarCounter.BAD_PREFIX
-        k = cols["chunk"][i]
-        if k >= frags:
-            return DarCounter.BAD_FRAGMENT
         nbytes = -(-bits // 8)
-        if cols["elems"][i] != min(js.per, nbytes - k * js.per):
+        if bits > js.max_bits or frags != fragment_count(nbytes, js.per):
+            return DarCounter.BAD_PREFIX
+        if hdr.chunk >= frags:
+            return DarCounter.BAD_FRAGMENT
+        if hdr.elems != min(js.per, nbytes - hdr.chunk * js.per):
             return DarCounter.BAD_FORMAT
         return None
 

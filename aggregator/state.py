@@ -66,6 +66,25 @@ class _Configured(Protocol):
     cfg: JobConfig
 
 
+def check_addressing(hdr: Header, cfg: JobConfig | None, shard: int, shards: int) -> str | None:
+    """The checks that tie a packet to its job's registers, in docs/protocol.md's order: the name of the
+    counter of the first one that fails (None: all pass). Shared by switch jobs and DAR jobs, whose
+    counter enums name these reasons alike."""
+    if cfg is None:
+        return "UNKNOWN_JOB"
+    if hdr.key != cfg.key:
+        return "BAD_KEY"
+    if hdr.table_id != cfg.table_id:
+        return "BAD_TABLE"
+    if hdr.worker >= cfg.workers:
+        return "BAD_WORKER"
+    if hdr.slot >= cfg.slots:
+        return "BAD_SLOT"
+    if hdr.slot % shards != shard:
+        return "WRONG_SHARD"
+    return None
+
+
 def validate(hdr: Header, length: int, payload: bytes, jobs: Mapping[int, _Configured], shard: int,
              shards: int) -> Counter | None:
     """The first check of docs/protocol.md, "Validation", that a packet fails (None: it is valid).
@@ -74,24 +93,15 @@ def validate(hdr: Header, length: int, payload: bytes, jobs: Mapping[int, _Confi
     ``JobState``: both use this one function for packets taken one at a time). ``payload`` needs only
     its first 4 bytes (a norm). The length check (``short``) comes before parsing: the caller's.
     """
-    job = jobs.get(hdr.job)
     if hdr.version != VERSION:
         return Counter.BAD_VERSION
     if hdr.type not in (PacketType.DATA, PacketType.NORM):
         return Counter.BAD_TYPE
-    if job is None:
-        return Counter.UNKNOWN_JOB
-    cfg = job.cfg
-    if hdr.key != cfg.key:
-        return Counter.BAD_KEY
-    if hdr.table_id != cfg.table_id:
-        return Counter.BAD_TABLE
-    if hdr.worker >= cfg.workers:
-        return Counter.BAD_WORKER
-    if hdr.slot >= cfg.slots:
-        return Counter.BAD_SLOT
-    if hdr.slot % shards != shard:
-        return Counter.WRONG_SHARD
+    job = jobs.get(hdr.job)
+    cfg = job.cfg if job is not None else None
+    failed = check_addressing(hdr, cfg, shard, shards)
+    if failed is not None:
+        return Counter[failed]
     if hdr.type == PacketType.NORM:
         if (hdr.elems, hdr.width, length) != (1, 32, HEADER_BYTES + 4):
             return Counter.BAD_FORMAT
