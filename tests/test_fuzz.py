@@ -165,11 +165,10 @@ def _check_against_model(pkts: list[dict], batch: int, threshold: int, path: dic
 
 def _wire(p: dict) -> bytes:
     if p["type"] == PacketType.DATA:
-        payload, fields = pack_bits(np.array(p["indices"]), CFG.bits).tobytes(), {"elems": K, "width": CFG.bits}
+        payload = pack_bits(np.array(p["indices"]), CFG.bits).tobytes()
     else:
-        payload, fields = p["norm_bits"].to_bytes(4, "big"), {"elems": 1, "width": 32}
-    return Header(type=p["type"], job=CFG.job, key=CFG.key, table_id=CFG.table_id, worker=p["worker"], slot=p["slot"],
-                  round=p["round"], **fields).pack(payload)
+        payload = p["norm_bits"].to_bytes(4, "big")
+    return Header(**CFG.request_fields(p["type"], worker=p["worker"], slot=p["slot"], round=p["round"])).pack(payload)
 
 
 # Up to three byte writes (header fields, norm bytes, payload) or a truncation: two wrong fields at
@@ -244,11 +243,11 @@ def _uncompressed_wire(p: dict) -> bytes:
     """``p`` as a packet of the uncompressed job: DATA carries K int32 values (from its indices and norm)."""
     if p["type"] == PacketType.DATA:
         ints = (np.array(p["indices"], np.int64) - 2) * (p["norm_bits"] | 1) * 1021  # large, both signs: wraps
-        payload, fields = ints.astype(np.int32).astype(">i4").tobytes(), {"elems": K, "width": 32}
+        payload = ints.astype(np.int32).astype(">i4").tobytes()
     else:
-        payload, fields = p["norm_bits"].to_bytes(4, "big"), {"elems": 1, "width": 32}
-    return Header(type=p["type"], job=UNCOMPRESSED.job, key=UNCOMPRESSED.key, worker=p["worker"], slot=p["slot"],
-                  round=p["round"], **fields).pack(payload)
+        payload = p["norm_bits"].to_bytes(4, "big")
+    fields = UNCOMPRESSED.request_fields(p["type"], worker=p["worker"], slot=p["slot"], round=p["round"])
+    return Header(**fields).pack(payload)
 
 
 def _damaged(wire: bytes, dmg: object) -> bytes:

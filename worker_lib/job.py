@@ -19,7 +19,14 @@ import numpy as np
 
 from worker_lib.thc import LookupTable, solve_table
 from worker_lib.thc.table import parse_fraction
-from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, IP_UDP_OVERHEAD, MAX_WORKERS, RESULT_WIDTHS
+from worker_lib.wire.layout import (
+    DAR_PREFIX_BYTES,
+    HEADER_BYTES,
+    IP_UDP_OVERHEAD,
+    MAX_WORKERS,
+    RESULT_WIDTHS,
+    PacketType,
+)
 
 JobKind = Literal["thc", "uncompressed", "dar"]
 JOB_KINDS: tuple[str, ...] = ("thc", "uncompressed", "dar")
@@ -236,6 +243,17 @@ class JobConfig:
     @property
     def result_bytes(self) -> int:
         return self.elems * self.result_bits // 8
+
+    def request_fields(self, typ: PacketType, **fields: Any) -> dict[str, Any]:
+        """The header fields of a worker's request of this job (docs/protocol.md, "Validation"): type,
+        job, key, table id, and the ``elems``/``width`` its kind must carry, plus ``fields`` (worker, slot,
+        round, tensor, chunk: ints or, for ``serializer.build_batch``, arrays). ``Header(**...)`` makes one."""
+        if typ == PacketType.NORM:
+            elems, width = 1, 32
+        else:
+            elems, width = self.elems, self.data_width
+        return {"type": int(typ), "job": self.job, "key": self.key, "table_id": self.table_id, "elems": elems,
+                "width": width, **fields}
 
     def values(self) -> np.ndarray:
         """The table as int32 (THC jobs)."""
