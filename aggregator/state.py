@@ -153,11 +153,11 @@ class ReferenceAggregator:
         """Apply the state table to one packet; return what it makes the aggregator send."""
         self.counters[Counter.RX] += 1
         if len(packet) < HEADER_BYTES:
-            return self._drop(Counter.SHORT)
+            return self._nothing_but(Counter.SHORT)
         hdr, payload = Header.parse(packet)
         failed = validate(hdr, len(packet), payload, self.jobs, self.shard, self.shards)
         if failed is not None:
-            return self._drop(failed)
+            return self._nothing_but(failed)
         job = self.jobs[hdr.job]
         slot = job.slots[hdr.slot]
         bank = slot.banks[hdr.round % 2]
@@ -179,14 +179,14 @@ class ReferenceAggregator:
                                         width=0, flags=0, bitmap=0).pack())]
         # ACTIVE or COMPLETE, but for the other kind of packet (NORM into a DATA round or the reverse).
         if bank.kind != hdr.type:
-            return self._drop(Counter.KIND_MISMATCH)
+            return self._nothing_but(Counter.KIND_MISMATCH)
         # COMPLETE: a duplicate or a latecomer gets the retained result, by unicast.
         if bank.complete:
             self._count(Counter.RETAINED)
             return [(False, self._result(job, bank, hdr))]
         # ACTIVE: a duplicate before completion adds nothing; a new contributor is added.
         if bank.bitmap >> hdr.worker & 1:
-            return self._drop(Counter.DUPLICATE)
+            return self._nothing_but(Counter.DUPLICATE)
         bank.bitmap |= 1 << hdr.worker
         bank.count += 1
         self._add(bank, value, first=False)
@@ -231,7 +231,8 @@ class ReferenceAggregator:
         for c in counters:
             self.counters[c] += 1
 
-    def _drop(self, counter: Counter) -> list[Output]:
+    def _nothing_but(self, counter: Counter) -> list[Output]:
+        """Count the outcome; the packet changes nothing and nothing is sent."""
         self.counters[counter] += 1
         return []
 
