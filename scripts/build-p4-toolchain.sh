@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Build the P4 toolchain the BMv2 tests need from the p4lang sources, on Debian 12 (or Ubuntu 22.04+)
+# with the distribution's packages: PI (the P4Runtime server library), BMv2 (simple_switch_grpc,
+# simple_switch_CLI), p4c (p4c-bm2-ss, p4test, p4c) and the TNA include files for p4test. About 40
+# minutes on 2 cores; run as root.
+#
+#   sudo bash scripts/build-p4-toolchain.sh                 # clone, build, install into /usr/local
+#   PREFIX=/opt/p4 JOBS=4 sudo -E bash scripts/build-p4-toolchain.sh
+#   PI_SRC=~/src/PI BMV2_SRC=~/src/behavioral-model P4C_SRC=~/src/p4c P4RUNTIME_SRC=~/src/p4runtime \
+#       sudo -E bash scripts/build-p4-toolchain.sh         # use checked-out sources (with submodules)
+#
+# Each *_SRC, when given, must be a checkout of the version below with its git submodules. The
+# Tofino back end (bf-p4c) and P4Testgen need p4c HEAD with Abseil, protobuf 25 and z3: not built here.
+set -euo pipefail
+
+# ---- versions, pinned in one place ---------------------------------------------------------------
+PI_TAG=v0.1.2
+BMV2_TAG=1.15.5
+P4C_TAG=v1.2.4.8
+P4RUNTIME_COMMIT=1e771c4e05c4e7e250df00212b3ca02ee3202d71  # what p4c v1.2.4.8 fetches (CMakeLists.txt)
+TNA_COMMIT=34b86e9bac  # a p4c commit whose backends/tofino holds tna.p4 (for p4test on the Tofino program)
+
+PREFIX=${PREFIX:-/usr/local}
+JOBS=${JOBS:-$(nproc)}
+WORK=${WORK:-/opt/p4build}
+mkdir -p "$WORK/src" "$WORK/logs"
+
+log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+install_packages() {
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends \
+        build-essential cmake git pkg-config autoconf automake libtool bison flex libfl-dev \
+        libboost-dev libboost-iostreams-dev libboost-graph-dev libboost-program-options-dev \
+        libboost-system-dev libboost-filesystem-dev libboost-thread-dev libgc-dev libgmp-dev \
+        libprotobuf-dev protobuf-compiler libgrpc++-dev libgrpc-dev protobuf-compiler-grpc \
+        libpcap-dev libnanomsg-dev libthrift-dev thrift-compiler libjudy-dev libreadline-dev libssl-dev \
+        python3 python3-six
+}
+
+# source NAME VAR URL REF: print the source directory, cloning URL at REF when $VAR is unset.
+source_dir() {
+    local name=$1 given=$2 url=$3 ref=$4 dir="$WORK/src/$1"
+    if [ -n "$given" ]; then
+        echo "$given"
+        return
+    fi
+    if [ ! -d "$dir" ]; then
+        git clone -q --recursive "$url" "$dir"
+        git -C "$dir" checkout -q "$ref"
+        git -C "$dir" submodule update -q --init --recursive
+    fi
+    echo "$dir"
+}
+
+build_pi() {
+    local src=$1
+    log "PI $PI_TAG in $src"
+    (cd "$src" && ./autogen.sh && ./configure --prefix="$PREFIX" --with-proto --without-internal-rpc \
+        --without-cli --without-bmv2 && make -j"$JOBS" && make install) > "$WORK/logs/pi.log" 2>&1
+    ldconfig
+}
+
+build_bmv2() {
+    local src=$1
+    log "BMv2 $BMV2_TAG in $src"
+    (cd "$src" && ./autogen.sh && ./configure --prefix="$PREFIX" --with-pi --with-thrift \
+        --disable-logging-macros --disable-elogger && make -j"$JOBS" && make install) > "$WORK/logs/bmv2.log" 2>&1
+    ldconfig
+    log "simple_switch_grpc"
+    (cd "$src/targets/simple_switch_grpc" && ./autogen.sh && ./configure --prefix="$PREFIX" --with-thrift \
+        && make -j"$JOBS" && make install) > "$WORK/logs/simple_switch_grpc.log" 2>&1
+    ldconfig
+}
+
+build_p4c() {
+    local src=$1 p4runtime=$2
+    log "p4c $P4C_TAG in $src"
+    mkdir -p "$src/build"
+    (cd "$src/build" && cmake .. -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$PREFIX" \
+        -DENABLE_GTESTS=OFF -DENABLE_EBPF=OFF -DENABLE_UBPF=OFF -DENABLE_DPDK=OFF -DENABLE_P4TC=OFF \
+        -DENABLE_P4C_GRAPHS=OFF -DENABLE_DOCS=OFF -DP4C_USE_PREINSTALLED_PROTOBUF=ON \
+        -DENABLE_PROTOBUF_STATIC=OFF -DFETCHCONTENT_SOURCE_DIR_P4RUNTIME="$p4runtime" \
+        && make -j"$JOBS" && make install) > "$WORK/logs/p4c.log" 2>&1
+}
+
+install_tna_includes() {
+    # tna.p4 and its includes, so that p4test can check the Tofino program (tests/test_p4_tofino.py).
+    local src=$1 dir="$PREFIX/share/p4c/tna-include" sub=backends/tofino/bf-p4c/p4include
+    log "TNA includes from p4c $TNA_COMMIT into $dir"
+    git -C "$src" cat-file -e "$TNA_COMMIT^{commit}" 2>/dev/null || git -C "$src" fetch -q origin "$TNA_COMMIT"
+    mkdir -p "$dir"
+    git -C "$src" archive "$TNA_COMMIT" "$sub" | tar -x -C "$dir" --strip-components=4
+}
+
+main() {
+    log "packages"
+    install_packages > "$WORK/logs/apt.log" 2>&1
+    local pi bmv2 p4c p4runtime
+    pi=$(source_dir PI "${PI_SRC:-}" https://github.com/p4lang/PI.git "$PI_TAG")
+    bmv2=$(source_dir behavioral-model "${BMV2_SRC:-}" https://github.com/p4lang/behavioral-model.git "$BMV2_TAG")
+    p4c=$(source_dir p4c "${P4C_SRC:-}" https://github.com/p4lang/p4c.git "$P4C_TAG")
+    p4runtime=$(source_dir p4runtime "${P4RUNTIME_SRC:-}" https://github.com/p4lang/p4runtime.git "$P4RUNTIME_COMMIT")
+    build_pi "$pi"
+    build_bmv2 "$bmv2"
+    build_p4c "$p4c" "$p4runtime"
+    install_tna_includes "$p4c"
+    log "done: $(command -v simple_switch_grpc) $(command -v p4c-bm2-ss) $(command -v p4test)"
+}
+
+main "$@"
