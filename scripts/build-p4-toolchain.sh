@@ -35,7 +35,7 @@ install_packages() {
         libboost-dev libboost-iostreams-dev libboost-graph-dev libboost-program-options-dev \
         libboost-system-dev libboost-filesystem-dev libboost-thread-dev libgc-dev libgmp-dev \
         libprotobuf-dev protobuf-compiler libgrpc++-dev libgrpc-dev protobuf-compiler-grpc \
-        libpcap-dev libnanomsg-dev libthrift-dev thrift-compiler libjudy-dev libreadline-dev libssl-dev \
+        libpcap-dev libnanomsg-dev libthrift-dev thrift-compiler libjudy-dev libreadline-dev libssl-dev libxxhash-dev libjsoncpp-dev \
         python3 python3-six
 }
 
