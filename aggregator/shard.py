@@ -1,0 +1,249 @@
+"""One shard of ``thc-aggregator``: a UDP socket, the batch engine and the DAR path, and the loop
+between them.
+
+A shard owns the slots s with s mod P == shard. Each ``step`` waits (or busy-polls), recvmmsg-s a batch
+into a preallocated buffer, routes DAR_DATA by its type byte to ``aggregator.dar.DarAggregator`` and
+everything else to the batch engine (which drops DAR types as ``bad_type`` exactly as a switch does),
+learns the senders' addresses, then sendmmsg-s every result: completions to the job's workers (their
+learned addresses) or to its multicast group, and unicast answers (retained results, straggler
+notices) to their senders.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import signal
+import socket
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from aggregator.dar import DarAggregator, DarOutputs
+from aggregator.engine import Aggregator, Outputs
+from aggregator.io import BatchSocket, sockaddr_in, sockaddr_to_tuple, udp_socket
+from worker_lib.job import JobConfig
+from worker_lib.wire.layout import PacketType
+from worker_lib.wire.protocol import Counter, DarCounter
+
+if TYPE_CHECKING:
+    from aggregator.server import ServerConfig
+
+log = logging.getLogger(__name__)
+
+
+def bind_shards(host: str, port: int, shards: int, attempts: int = 50) -> list[socket.socket]:
+    """Bind ``shards`` consecutive UDP ports from ``port`` (port 0: any free consecutive range)."""
+    if port != 0:
+        return [udp_socket(host, port + i) for i in range(shards)]
+    for _ in range(attempts):
+        first = udp_socket(host, 0)
+        base = first.getsockname()[1]
+        socks = [first]
+        try:
+            if base + shards > 65536:
+                raise OSError("range")
+            socks += [udp_socket(host, base + i) for i in range(1, shards)]
+            return socks
+        except OSError:
+            for s in socks:
+                s.close()  # retry from another ephemeral base
+    raise OSError(f"could not bind {shards} consecutive UDP ports on {host}")
+
+
+class WorkerAddresses:
+    """Learned worker addresses of one job (n sockaddr_in), preallocated at configuration."""
+
+    def __init__(self, cfg: JobConfig) -> None:
+        self.addr = np.zeros((cfg.workers, 16), np.uint8)
+        self.known = np.zeros(cfg.workers, bool)
+        self.group = None
+        if cfg.multicast:
+            host, _, port = cfg.multicast.rpartition(":")
+            self.group = np.frombuffer(sockaddr_in(host, int(port)), np.uint8)[None, :]
+
+
+class Shard:
+    """One shard: a socket, a state machine, and the loop between them."""
+
+    def __init__(self, cfg: ServerConfig, sock: socket.socket, shard: int, jobs: Sequence[JobConfig],
+                 counters: np.ndarray | None = None, dar_counters: np.ndarray | None = None) -> None:
+        self.cfg, self.shard = cfg, shard
+        self.io = BatchSocket(sock, batch=cfg.batch, stride=cfg.stride)
+        if cfg.multicast:
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(cfg.host))
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
+        self.agg = Aggregator(shard=shard, shards=cfg.shards, max_batch=cfg.batch, stride=cfg.stride)
+        if counters is not None:
+            self.agg.counters = counters
+        self.dar = DarAggregator(shard=shard, shards=cfg.shards, stride=cfg.stride)
+        if dar_counters is not None:
+            self.dar.counters = dar_counters
+        self.addrs: dict[int, WorkerAddresses] = {}
+        self.set_jobs(jobs)
+        self.pcap = None
+        if cfg.pcap is not None:
+            from worker_lib.wire.pcap import PcapWriter
+
+            path = cfg.pcap if cfg.shards == 1 else cfg.pcap.with_suffix(f".shard{shard}{cfg.pcap.suffix}")
+            self.pcap = PcapWriter(path)
+        self.local = sockaddr_to_tuple(sockaddr_in(*sock.getsockname()))
+
+    def set_jobs(self, jobs: Sequence[JobConfig]) -> None:
+        """Apply a job list: new or changed jobs are (re)configured, missing ones removed."""
+        wanted = {j.job: j for j in jobs}
+        for jid in list(self.agg.jobs):
+            if jid not in wanted or wanted[jid].kind == "dar":
+                self.agg.remove_job(jid)
+                self.addrs.pop(jid, None)
+        for jid in list(self.dar.jobs):
+            if jid not in wanted or wanted[jid].kind != "dar":
+                self.dar.remove_job(jid)
+                self.addrs.pop(jid, None)
+        for jid, cfg in wanted.items():
+            table = self.dar if cfg.kind == "dar" else self.agg
+            cur = table.jobs.get(jid)
+            if cur is None or cur.cfg != cfg:
+                table.add_job(cfg)
+                self.addrs[jid] = WorkerAddresses(cfg)
+
+    def step(self, timeout: float) -> int:
+        """One iteration: receive a batch (waiting up to ``timeout`` unless busy polling), process, send.
+
+        Packet contents never raise (they are validated and counted); should a bug raise anyway, the
+        batch is logged and skipped so that one bad batch cannot stop the aggregator.
+        """
+        try:
+            return self._step(timeout)
+        except Exception:
+            log.exception("shard %d: batch skipped after an internal error", self.shard)
+            return 0
+
+    def _step(self, timeout: float) -> int:
+        io = self.io
+        if not self.cfg.busy_poll and not io.wait(timeout):
+            return 0
+        n = io.recv()
+        if n == 0:
+            return 0
+        if self.pcap is not None:
+            for i in range(n):
+                self.pcap.write(sockaddr_to_tuple(io.rx_addr[i]), self.local, io.rx[i, : io.rx_len[i]].tobytes())
+        is_dar = (io.rx[:n, 1] == PacketType.DAR_DATA) & (io.rx_len[:n] >= 2)
+        if not is_dar.any():
+            out = self.agg.process(io.rx[:n], io.rx_len[:n])
+            good = self.agg.last_good
+            self._learn(good, self.agg.last_job[good], self.agg.last_worker[good])
+            if out.count:
+                self._send(out, io.rx_addr)
+            return n
+        dar_rows = np.flatnonzero(is_dar)
+        rest = np.flatnonzero(~is_dar)
+        self.agg.counters[Counter.RX] += dar_rows.size  # rx counts every datagram; the rest add theirs
+        if rest.size:  # a batch mixing kinds (rare): the state machine gets the others, compacted
+            out = self.agg.process(np.ascontiguousarray(io.rx[rest]), io.rx_len[rest])
+            good = self.agg.last_good
+            self._learn(rest[good], self.agg.last_job[good], self.agg.last_worker[good])
+            if out.count:
+                self._send(out, io.rx_addr[rest])
+        sub = io.rx[:n] if rest.size == 0 else np.ascontiguousarray(io.rx[dar_rows])
+        dout = self.dar.process(sub, io.rx_len[dar_rows])
+        if dout.good_rows:
+            self._learn(dar_rows[dout.good_rows], np.asarray(dout.good_jobs), np.asarray(dout.good_workers))
+        if dout.sends:
+            self._send_dar(dout, io.rx_addr[dar_rows])
+        return n
+
+    def _learn(self, rows: np.ndarray, jobs: np.ndarray, workers: np.ndarray) -> None:
+        """Remember the source address of worker ``workers[k]`` of job ``jobs[k]`` (rx row ``rows[k]``)."""
+        if rows.size == 0:
+            return
+        for j in np.unique(jobs).tolist():
+            sel = jobs == j
+            tab = self.addrs.get(j)
+            if tab is None:
+                continue
+            w = workers[sel]
+            tab.addr[w] = self.io.rx_addr[rows[sel]]
+            tab.known[w] = True
+
+    def _destinations(self, job: int) -> np.ndarray | None:
+        """Addresses a completion of ``job`` goes to: its multicast group, or its known workers."""
+        tab = self.addrs.get(job)
+        if tab is None:
+            return None
+        dests = tab.group if (self.cfg.multicast and tab.group is not None) else tab.addr[tab.known]
+        return dests if len(dests) else None
+
+    def _send_dar(self, out: DarOutputs, src_addr: np.ndarray) -> None:
+        """Send the DAR path's datagrams (result fragments fanned out, unicast answers to senders)."""
+        for snd in out.sends:
+            if snd.fanout:
+                dests = self._destinations(snd.job)
+                if dests is None:
+                    continue
+                rows = np.repeat(snd.rows, len(dests))
+                lengths = np.repeat(snd.lengths, len(dests))
+                addrs = np.tile(dests, (snd.rows.size, 1))
+            else:
+                rows, lengths = snd.rows, snd.lengths
+                addrs = np.repeat(src_addr[snd.src][None, :], snd.rows.size, axis=0)
+            self.io.send(snd.buf, rows, lengths, addrs)
+            if self.pcap is not None:
+                for r, a, ln in zip(rows.tolist(), addrs, lengths.tolist(), strict=True):
+                    self.pcap.write(self.local, sockaddr_to_tuple(a), snd.buf[r, :ln].tobytes())
+
+    def _send(self, out: Outputs, src_addr: np.ndarray) -> None:
+        """Send the engine's outputs: completions to the job's destinations, answers to their senders."""
+        m = out.count
+        fan = out.fanout[:m]
+        rows_l: list[np.ndarray] = []
+        addr_l: list[np.ndarray] = []
+        uni = np.flatnonzero(~fan)
+        if uni.size:
+            rows_l.append(uni)
+            addr_l.append(src_addr[out.src[uni]])
+        fo = np.flatnonzero(fan)
+        if fo.size:
+            jobs = out.job[fo]
+            for j in np.unique(jobs).tolist():
+                ms = fo[jobs == j]
+                dests = self._destinations(j)
+                if dests is None:
+                    continue
+                rows_l.append(np.repeat(ms, len(dests)))
+                addr_l.append(np.tile(dests, (ms.size, 1)))
+        if not rows_l:
+            return
+        rows = np.concatenate(rows_l)
+        addrs = np.concatenate(addr_l)
+        lengths = out.length[rows]
+        self.io.send(out.buf, rows, lengths, addrs)
+        if self.pcap is not None:
+            for r, a, ln in zip(rows.tolist(), addrs, lengths.tolist(), strict=True):
+                self.pcap.write(self.local, sockaddr_to_tuple(a), out.buf[r, :ln].tobytes())
+
+    def close(self) -> None:
+        if self.pcap is not None:
+            self.pcap.close()
+        self.io.sock.close()
+
+
+def shard_process(cfg: ServerConfig, sock: socket.socket, shard: int, jobs: list[JobConfig],
+                shared: mp.Array, dar_shared: mp.Array, conn: multiprocessing.connection.Connection,
+                stop: mp.Event) -> None:
+    """Body of a shard process (shards > 1)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    counters = np.frombuffer(shared, np.int64).reshape(cfg.shards, len(Counter))[shard]
+    dar_counters = np.frombuffer(dar_shared, np.int64).reshape(cfg.shards, len(DarCounter))[shard]
+    sh = Shard(cfg, sock, shard, jobs, counters, dar_counters)
+    try:
+        while not stop.is_set():
+            sh.step(cfg.poll_timeout)
+            if conn.poll():
+                sh.set_jobs(conn.recv())
+    finally:
+        sh.close()
