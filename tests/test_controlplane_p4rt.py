@@ -28,11 +28,11 @@ from aggregator.p4rt import (
     JobRefused,
     NotPrimary,
     P4InfoIndex,
-    ProgramGeometry,
     SwitchAddress,
     SwitchRejected,
     SwitchUnreachable,
     ThcSwitch,
+    program_geometry,
     wait_for_port,
 )
 from tests.p4_support import CHECKED_IN_P4INFO
@@ -215,7 +215,7 @@ def fake_switch():
 
 
 IDX = P4InfoIndex(P4INFO)
-GEOM = ProgramGeometry.from_index(IDX)
+GEOM = program_geometry(IDX)
 
 
 def _job(**kw) -> JobConfig:
@@ -453,7 +453,7 @@ def test_wait_for_port_polls_until_listening() -> None:
 
 def test_cli_job_and_errors(fake_switch, capsys) -> None:
     """thc-switch job installs a job and prints its placement; a refused job is one stderr line, rc 1."""
-    from aggregator.p4rt.cli import main
+    from aggregator.switch.cli import main
 
     fake, addr = fake_switch()
     spec = "job=3,key=0x10,workers=2,bits=4,granularity=30,elems=32,result_bits=8,slots=4"
@@ -471,7 +471,7 @@ def test_cli_job_and_errors(fake_switch, capsys) -> None:
 
 def test_cli_unreachable_switch_is_one_line_no_traceback() -> None:
     """The installed console entry point reports an unreachable switch as one line on stderr, rc 1."""
-    bad = subprocess.run([sys.executable, "-m", "aggregator.p4rt.cli", "--switch", f"127.0.0.1:{_free_port()}",
+    bad = subprocess.run([sys.executable, "-m", "aggregator.switch.cli", "--switch", f"127.0.0.1:{_free_port()}",
                           "--timeout", "0.5", "stats"], capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 1
     assert bad.stderr.startswith("thc-switch: ") and "Traceback" not in bad.stderr
@@ -480,7 +480,7 @@ def test_cli_unreachable_switch_is_one_line_no_traceback() -> None:
 
 def test_generation_is_never_zero_nor_in_use() -> None:
     """A new generation skips 0 and the generations of installed jobs (so no stale state reads as current)."""
-    from aggregator.p4rt.thc import InstalledJob, Placement, new_generation
+    from aggregator.switch.entries import InstalledJob, Placement, new_generation
 
     def job(gen: int) -> InstalledJob:
         return InstalledJob(1, 1, 1, 2, 2, 4, Placement(0, 0, gen))

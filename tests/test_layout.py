@@ -4,6 +4,8 @@ level or inside a function) of each package names only the packages it may depen
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ FORBIDDEN = {
 }
 #: control planes and P4 generators never import the aggregator's state machines or its server
 ENGINE = ("aggregator.engine", "aggregator.state", "aggregator.server", "aggregator.dar")
-CONTROL_PLANES = ("aggregator/p4rt", "aggregator/bfrt", "aggregator/switch", "p4gen")
+CONTROL_PLANES = ("aggregator/p4rt", "aggregator/bfrt.py", "aggregator/switch", "p4gen")
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -34,8 +36,10 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-def _files(folder: str) -> list[Path]:
-    return sorted((ROOT / folder).rglob("*.py")) if (ROOT / folder).is_dir() else []
+def _files(where: str) -> list[Path]:
+    """The Python files of a folder (recursively), or the one file named."""
+    path = ROOT / where
+    return sorted(path.rglob("*.py")) if path.is_dir() else [path] if path.is_file() else []
 
 
 @pytest.mark.parametrize("package", FORBIDDEN)
@@ -61,3 +65,15 @@ def test_the_checker_sees_function_level_imports(tmp_path: Path) -> None:
     f = tmp_path / "m.py"
     f.write_text("def g():\n    from aggregator.engine import Aggregator\n    import sim.cli\n")
     assert {"aggregator.engine", "aggregator.engine.Aggregator", "sim.cli"} <= imported_modules(f)
+
+
+def test_tofino_writer_and_neutral_entries_need_no_protobuf() -> None:
+    """The bfrt script writer, the target-neutral entries and thc-switch's module load without grpc,
+    protobuf or the P4Runtime stubs (a Tofino user needs none of them). (The bare ``google`` namespace is
+    put in sys.modules at start-up by protobuf's .pth file, so ``google.protobuf`` is what counts.)"""
+    code = ("import sys, aggregator.bfrt, aggregator.switch.entries, aggregator.switch.cli; "
+            "print(sorted(m for m in sys.modules\n"
+            "             if m.split('.')[0] in ('grpc', 'p4') or m.startswith('google.protobuf')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         check=True).stdout.strip()
+    assert out == "[]", f"loaded: {out}"

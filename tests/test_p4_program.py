@@ -66,9 +66,9 @@ def test_other_geometry_compiles(tmp_path, elems: int, rbits: int) -> None:
 def test_checked_in_p4info_matches_the_default_geometry() -> None:
     """The checked-in P4Info describes the program rendered with the default geometry (K, b, width, slots,
     jobs as the control plane reads them back)."""
-    from aggregator.p4rt import P4InfoIndex, ProgramGeometry, load_p4info
+    from aggregator.p4rt import P4InfoIndex, load_p4info, program_geometry
 
-    geom = ProgramGeometry.from_index(P4InfoIndex(load_p4info(CHECKED_IN_P4INFO)))
+    geom = program_geometry(P4InfoIndex(load_p4info(CHECKED_IN_P4INFO)))
     d = gen.Geometry()
     assert (geom.elems, geom.bits, geom.result_bits, geom.slots, geom.jobs) == \
         (d.elems, d.bits, d.result_bits, d.slots, d.jobs)

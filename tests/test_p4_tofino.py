@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import p4gen.tofino as gen
-from aggregator.p4rt.bfrt import EGRESS_REGISTERS, INGRESS_REGISTERS, TofinoJob, TofinoPlan, bfrt_load_script
+from aggregator.bfrt import EGRESS_REGISTERS, INGRESS_REGISTERS, TofinoJob, TofinoPlan, bfrt_load_script
 from tests.p4_support import INCLUDE_DIR, P4_DIR
 from tests.test_p4_headers import parse_consts, parse_header
 from worker_lib.job import JobConfig

@@ -1,4 +1,4 @@
-"""The Tofino control plane: the bfrt_python scripts of aggregator/p4rt/bfrt.py and thc-switch --target tofino.
+"""The Tofino control plane: the bfrt_python scripts of aggregator/bfrt.py and thc-switch --target tofino.
 
 Expected entries are computed here from the job's table values and configuration, and the BMv2
 P4Runtime updates for the same job are decoded back through the checked-in P4Info: both targets must get
@@ -18,8 +18,7 @@ from google.protobuf import text_format
 from p4.config.v1 import p4info_pb2
 
 import p4gen.tofino as gen_tofino
-from aggregator.p4rt import JobRefused, P4InfoIndex, ProgramGeometry
-from aggregator.p4rt.bfrt import (
+from aggregator.bfrt import (
     DEFAULT_TOFINO_GEOMETRY,
     EGRESS_REGISTERS,
     INGRESS_REGISTERS,
@@ -33,9 +32,11 @@ from aggregator.p4rt.bfrt import (
     parse_stats_output,
     stats_from_raw,
 )
-from aggregator.p4rt.cli import main as cli_main
-from aggregator.p4rt.errors import SwitchError
-from aggregator.p4rt.thc import Placement, job_updates
+from aggregator.p4rt import JobRefused, P4InfoIndex, ProgramGeometry, program_geometry
+from aggregator.p4rt.thc import job_updates
+from aggregator.switch.cli import main as cli_main
+from aggregator.switch.entries import Placement
+from aggregator.switch.errors import SwitchError
 from tests.p4_support import CHECKED_IN_P4INFO, P4_DIR
 from worker_lib.job import JobConfig
 from worker_lib.wire.protocol import Counter
@@ -149,7 +150,7 @@ def test_both_targets_get_the_same_logical_entries() -> None:
         pytest.skip(f"{CHECKED_IN_P4INFO} is missing (compile p4src/bmv2/thc.p4 with p4c-bm2-ss)")
     idx = P4InfoIndex(text_format.Parse(CHECKED_IN_P4INFO.read_text(), p4info_pb2.P4Info()))
     # The BMv2 program's geometry (K = 32) on both targets: the Tofino control plane takes any geometry.
-    cfg, ports, geometry = sample_job(32), (5, 6, 9), ProgramGeometry.from_index(idx)
+    cfg, ports, geometry = sample_job(32), (5, 6, 9), program_geometry(idx)
     place = Placement(job_index=0, slot_base=0, generation=GEN)
     ups = job_updates(idx, geometry, cfg, ports, place)
     tables = {t.id: t for t in idx.tables.values()}

@@ -1,11 +1,15 @@
-"""P4Runtime control plane of the THC switch programs (BMv2 simple_switch_grpc).
+"""P4Runtime writer of the THC switch control plane (BMv2 simple_switch_grpc); the entries it writes
+are the target-neutral ones of ``aggregator.switch.entries``.
 
 Needs the optional extra ``p4`` (``pip install -e .[p4]``): grpcio, the ``p4runtime`` stubs, protobuf.
 One ``ThcSwitch`` per switch; see docs/bmv2.md.
 """
 
 from aggregator.p4rt.client import P4RuntimeClient, SwitchAddress, wait_for_port, wait_for_socket, wait_for_switch
-from aggregator.p4rt.errors import (
+from aggregator.p4rt.p4info import P4InfoIndex, load_p4info, program_geometry
+from aggregator.p4rt.thc import ThcSwitch, job_updates
+from aggregator.switch.entries import InstalledJob, Placement, ProgramGeometry, check_job
+from aggregator.switch.errors import (
     JobRefused,
     NotPrimary,
     P4InfoError,
@@ -13,8 +17,6 @@ from aggregator.p4rt.errors import (
     SwitchRejected,
     SwitchUnreachable,
 )
-from aggregator.p4rt.p4info import P4InfoIndex, ProgramGeometry, load_p4info
-from aggregator.p4rt.thc import InstalledJob, Placement, ThcSwitch, check_job, job_updates
 
 __all__ = [
     "InstalledJob",
@@ -33,6 +35,7 @@ __all__ = [
     "check_job",
     "job_updates",
     "load_p4info",
+    "program_geometry",
     "wait_for_port",
     "wait_for_socket",
     "wait_for_switch",

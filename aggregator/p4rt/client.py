@@ -24,7 +24,7 @@ from google.rpc import code_pb2, status_pb2
 from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2, p4runtime_pb2_grpc
 
-from aggregator.p4rt.errors import NotPrimary, SwitchError, SwitchRejected, SwitchUnreachable
+from aggregator.switch.errors import NotPrimary, SwitchError, SwitchRejected, SwitchUnreachable
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,8 @@ from pathlib import Path
 from google.protobuf import text_format
 from p4.config.v1 import p4info_pb2
 
-from aggregator.p4rt.errors import P4InfoError
+from aggregator.switch.entries import ProgramGeometry
+from aggregator.switch.errors import P4InfoError
 
 
 def load_p4info(path: str | Path) -> p4info_pb2.P4Info:
@@ -118,30 +119,14 @@ class P4InfoIndex:
 _LOOKUP = re.compile(r"(?:^|\.)lookup_(\d+)$")
 
 
-@dataclass(frozen=True)
-class ProgramGeometry:
-    """The compile-time constants of a loaded THC program, as read back from its P4Info.
-
-    elems (K) = number of ``lookup_<e>`` tables; bits (b) = width of their index field;
-    result_bits = width of the ``value_0`` parameter; slots = size of ``slot_gen``;
-    jobs = size of ``thc_jobs``.
-    """
-
-    elems: int
-    bits: int
-    result_bits: int
-    slots: int
-    jobs: int
-
-    @classmethod
-    def from_index(cls, idx: P4InfoIndex) -> ProgramGeometry:
-        """Read the geometry from a P4Info index (raises P4InfoError if it is not a THC program)."""
-        elems = sorted(int(m.group(1)) for n in idx.tables if (m := _LOOKUP.search(n)))
-        if not elems or elems != list(range(len(elems))):
-            raise P4InfoError("the P4Info has no lookup_0..lookup_<K-1> tables: not a THC program")
-        k = len(elems)
-        bits = idx.match_field("lookup_0", "hdr.data.i0")[1]
-        result_bits = idx.param("value_0", "v")[1]
-        slots = idx.register("slot_gen")[1]
-        jobs = idx.table("thc_jobs").size
-        return cls(k, bits, result_bits, slots, jobs)
+def program_geometry(idx: P4InfoIndex) -> ProgramGeometry:
+    """The THC program's geometry read from its P4Info index (raises P4InfoError if it is not a THC program)."""
+    elems = sorted(int(m.group(1)) for n in idx.tables if (m := _LOOKUP.search(n)))
+    if not elems or elems != list(range(len(elems))):
+        raise P4InfoError("the P4Info has no lookup_0..lookup_<K-1> tables: not a THC program")
+    k = len(elems)
+    bits = idx.match_field("lookup_0", "hdr.data.i0")[1]
+    result_bits = idx.param("value_0", "v")[1]
+    slots = idx.register("slot_gen")[1]
+    jobs = idx.table("thc_jobs").size
+    return ProgramGeometry(k, bits, result_bits, slots, jobs)

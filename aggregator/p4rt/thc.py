@@ -11,14 +11,9 @@ What it writes, all by name through the program's P4Info:
   n, threshold, slots, slot range, multicast group, generation), so that no packet of the job is
   accepted before its tables are in place.
 
-A job is refused (``JobRefused``) before anything is written if the program cannot aggregate it: not a
-THC job, K or b other than the compiled ones, a result width other than the compiled one, g * n that
-does not fit the compiled result width, more workers than ports given, no free job row or slot range.
-
-Target-neutral entries: ``job_entries``, ``service_entry`` and ``route_entry`` compute what a job or
-address needs as logical entries (table, match, action, params by name; multicast groups as ports and
-replication ids). The P4Runtime writer here and the Tofino bfrt_python writer (aggregator/p4rt/bfrt.py)
-both translate those, so the two targets get the same entries from the same job description.
+The entries themselves are target-neutral data from ``aggregator.switch.entries`` (which also says
+when a job is refused); this module is the P4Runtime writer that spells them with the P4Info's ids,
+as ``aggregator.bfrt`` spells the same entries for Tofino.
 
 Registers: BMv2's P4Runtime server (PI) implements neither register reads nor writes; registers are
 reset per job by its generation number (a new ``thc_jobs`` entry makes the job's old state read as
@@ -28,21 +23,31 @@ and says clearly when the target does not implement it.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2
 
 from aggregator.p4rt.client import P4RuntimeClient, SwitchAddress
-from aggregator.p4rt.errors import JobRefused, P4InfoError, SwitchRejected
-from aggregator.p4rt.p4info import P4InfoIndex, ProgramGeometry, load_p4info
+from aggregator.p4rt.p4info import P4InfoIndex, load_p4info, program_geometry
+from aggregator.switch.entries import (
+    InstalledJob,
+    LogicalEntry,
+    MulticastGroup,
+    Placement,
+    ProgramGeometry,
+    check_job,
+    job_entries,
+    new_generation,
+    place_job,
+    route_entry,
+    service_entry,
+)
+from aggregator.switch.errors import JobRefused, P4InfoError, SwitchRejected
 from worker_lib.job import JobConfig
-from worker_lib.wire.layout import MAX_WORKERS
 from worker_lib.wire.protocol import Counter
 
 log = logging.getLogger(__name__)
@@ -50,9 +55,6 @@ log = logging.getLogger(__name__)
 INSERT = p4runtime_pb2.Update.INSERT
 MODIFY = p4runtime_pb2.Update.MODIFY
 DELETE = p4runtime_pb2.Update.DELETE
-
-JOB_PARAMS = ("key", "table_id", "workers", "threshold", "slots", "slot_base", "job_index", "mcast_grp", "gen")
-
 
 def encode(value: int, bitwidth: int) -> bytes:
     """A P4Runtime value: big-endian bytes without leading zero bytes (canonical form), at least one."""
@@ -63,152 +65,6 @@ def encode(value: int, bitwidth: int) -> bytes:
 
 def decode(data: bytes) -> int:
     return int.from_bytes(data, "big")
-
-
-def mcast_group_of(job_index: int) -> int:
-    """Multicast group id of the job in row ``job_index`` (group 0 means none in v1model)."""
-    return job_index + 1
-
-
-def replica_id(job_index: int, worker: int) -> int:
-    """Replication id of a worker's copy of a result: the row of its learnt address in the program."""
-    return job_index * MAX_WORKERS + worker
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a job lives in the program's registers: its row (worker addresses, lookup selector,
-    multicast group), its first global slot, and the generation that marks its state as current."""
-
-    job_index: int
-    slot_base: int
-    generation: int
-
-    @property
-    def mcast_grp(self) -> int:
-        return mcast_group_of(self.job_index)
-
-
-@dataclass(frozen=True)
-class InstalledJob:
-    """A ``thc_jobs`` entry as read back from the switch."""
-
-    job: int
-    key: int
-    table_id: int
-    workers: int
-    threshold: int
-    slots: int
-    placement: Placement
-
-
-_PROGRAMS = {"bmv2": "BMv2", "tofino": "Tofino"}
-
-
-def check_job(cfg: JobConfig, geometry: ProgramGeometry, ports: tuple[int, ...], target: str = "bmv2") -> None:
-    """Raise JobRefused if the compiled program cannot aggregate ``cfg`` with workers on ``ports``.
-
-    ``target`` ("bmv2" or "tofino") only names the program and its generator in the messages."""
-    g = geometry
-    where = f"job {cfg.job}"
-    if cfg.kind != "thc":
-        raise JobRefused(f"{where}: the {_PROGRAMS.get(target, target)} program aggregates THC jobs only "
-                         f"(kind {cfg.kind!r}); "
-                         "serve uncompressed jobs with thc-aggregator")
-    if cfg.elems != g.elems:
-        raise JobRefused(f"{where}: K = {cfg.elems} elements per packet, the program is compiled for K = {g.elems} "
-                         f"(set elems={g.elems}, or regenerate with p4/gen_{target}.py --elems {cfg.elems})")
-    if cfg.bits != g.bits:
-        raise JobRefused(f"{where}: b = {cfg.bits} bits per index, the program is compiled for b = {g.bits}")
-    top = cfg.granularity * cfg.workers
-    if top >= 1 << g.result_bits:
-        raise JobRefused(f"{where}: g * n = {cfg.granularity} * {cfg.workers} = {top} does not fit the program's "
-                         f"{g.result_bits}-bit sums (max {(1 << g.result_bits) - 1}); use fewer workers, a smaller "
-                         f"granularity, or a program compiled with --result-bits 16")
-    if cfg.result_bits != g.result_bits:
-        raise JobRefused(f"{where}: result_bits = {cfg.result_bits}, the program sums on {g.result_bits} bits "
-                         f"(set result_bits={g.result_bits} so that workers decode its results)")
-    values = cfg.values()
-    if int(values.max()) >= 1 << g.result_bits or int(values.min()) < 0:
-        raise JobRefused(f"{where}: table values {values.min()}..{values.max()} do not fit {g.result_bits} bits")
-    if cfg.slots > g.slots:
-        raise JobRefused(f"{where}: {cfg.slots} slots, the program has {g.slots} in all")
-    if len(ports) != cfg.workers:
-        raise JobRefused(f"{where}: {cfg.workers} workers but {len(ports)} switch ports given (one per worker)")
-
-
-@dataclass(frozen=True)
-class Match:
-    """One match field of a logical entry: its P4 name (``meta.job_index``), value, and the prefix
-    length for an LPM field (None: exact)."""
-
-    field: str
-    value: int
-    prefix_len: int | None = None
-
-
-@dataclass(frozen=True)
-class LogicalEntry:
-    """A target-neutral table entry: table, match fields, action and its parameters, all by P4 name.
-
-    Why: BMv2 (P4Runtime, ids from the P4Info) and Tofino (bfrt_python, names) spell entries
-    differently; computing them once as data keeps both targets' entries the same by construction.
-    """
-
-    table: str
-    match: tuple[Match, ...]
-    action: str
-    params: tuple[tuple[str, int], ...]
-
-
-@dataclass(frozen=True)
-class MulticastGroup:
-    """A multicast group of the packet replication engine: (egress port, replication id) per replica."""
-
-    group: int
-    replicas: tuple[tuple[int, int], ...]
-
-
-@dataclass(frozen=True)
-class JobEntries:
-    """Everything a job needs on a switch, in install order: lookup entries, its group, its job entry
-    (last, so that no packet of the job is accepted before its tables are in place)."""
-
-    lookups: tuple[LogicalEntry, ...]
-    group: MulticastGroup
-    job: LogicalEntry
-
-
-def job_entries(cfg: JobConfig, geometry: ProgramGeometry, ports: tuple[int, ...],
-                place: Placement, target: str = "bmv2") -> JobEntries:
-    """The logical entries of a job at ``place`` (raises JobRefused if the program cannot aggregate it)."""
-    check_job(cfg, geometry, ports, target)
-    values = cfg.values().tolist()
-    lookups = tuple(
-        LogicalEntry(f"lookup_{e}", (Match("meta.job_index", place.job_index), Match(f"hdr.data.i{e}", i)),
-                     f"value_{e}", (("v", int(v)),))
-        for e in range(geometry.elems) for i, v in enumerate(values))
-    group = MulticastGroup(place.mcast_grp,
-                           tuple((int(port), replica_id(place.job_index, w)) for w, port in enumerate(ports)))
-    vals = {"key": cfg.key, "table_id": cfg.table_id, "workers": cfg.workers, "threshold": cfg.threshold,
-            "slots": cfg.slots, "slot_base": place.slot_base, "job_index": place.job_index,
-            "mcast_grp": place.mcast_grp, "gen": place.generation}
-    job = LogicalEntry("thc_jobs", (Match("hdr.thc.job", cfg.job),), "job_config",
-                       tuple((name, int(vals[name])) for name in JOB_PARAMS))
-    return JobEntries(lookups, group, job)
-
-
-def service_entry(ip: str, mac: str) -> LogicalEntry:
-    """The ``thc_service`` entry that makes ``ip`` an aggregator address answering from ``mac``."""
-    return LogicalEntry("thc_service", (Match("hdr.ipv4.dstAddr", int(ipaddress.IPv4Address(ip))),),
-                        "thc_serve", (("switch_mac", mac_int(mac)),))
-
-
-def route_entry(prefix: str, dst_mac: str, port: int) -> LogicalEntry:
-    """The ``ipv4_lpm`` entry forwarding ``prefix`` out of ``port`` to next-hop ``dst_mac``."""
-    net = ipaddress.IPv4Network(prefix, strict=False)
-    return LogicalEntry("ipv4_lpm", (Match("hdr.ipv4.dstAddr", int(net.network_address), net.prefixlen),),
-                        "ipv4_forward", (("dst_mac", mac_int(dst_mac)), ("port", int(port))))
 
 
 def table_update(idx: P4InfoIndex, entry: LogicalEntry, kind: int = INSERT) -> p4runtime_pb2.Update:
@@ -268,40 +124,6 @@ def job_updates(idx: P4InfoIndex, geometry: ProgramGeometry, cfg: JobConfig, por
     return out
 
 
-def place_job(cfg: JobConfig, geometry: ProgramGeometry, installed: list[InstalledJob],
-              generation: int) -> Placement:
-    """Choose the job's row and slot range: its current ones if it is installed with the same slot
-    count, else the lowest free row and the first free range of ``cfg.slots`` slots."""
-    others = [j for j in installed if j.job != cfg.job]
-    mine = next((j for j in installed if j.job == cfg.job), None)
-    if mine is not None and mine.slots == cfg.slots:
-        return Placement(mine.placement.job_index, mine.placement.slot_base, generation)
-    used_rows = {j.placement.job_index for j in others}
-    row = mine.placement.job_index if mine is not None else next(
-        (r for r in range(geometry.jobs) if r not in used_rows), None)
-    if row is None:
-        raise JobRefused(f"job {cfg.job}: all {geometry.jobs} job rows of the program are in use")
-    ranges = sorted((j.placement.slot_base, j.placement.slot_base + j.slots) for j in others)
-    start = 0
-    for lo, hi in ranges:
-        if lo - start >= cfg.slots:
-            break
-        start = max(start, hi)
-    if start + cfg.slots > geometry.slots:
-        raise JobRefused(f"job {cfg.job}: no free range of {cfg.slots} slots among the program's {geometry.slots} "
-                         f"(in use: {ranges})")
-    return Placement(row, start, generation)
-
-
-def new_generation(installed: list[InstalledJob], clock: Callable[[], int] = time.time_ns) -> int:
-    """A 32-bit generation number: milliseconds of the clock, never 0 and never one in use."""
-    used = {j.placement.generation for j in installed}
-    gen = (clock() // 1_000_000) & 0xFFFFFFFF
-    while gen == 0 or gen in used:
-        gen = (gen + 1) & 0xFFFFFFFF
-    return gen
-
-
 class ThcSwitch:
     """The THC control plane of one BMv2 switch (one object per switch; several may coexist).
 
@@ -339,7 +161,7 @@ class ThcSwitch:
             except OSError as exc:
                 raise P4InfoError(f"cannot read the BMv2 JSON {device_config}: {exc.strerror}") from None
         index = P4InfoIndex(info)
-        geometry = ProgramGeometry.from_index(index)
+        geometry = program_geometry(index)
         self._delete_multicast_groups()
         self.client.set_pipeline(info, blob)
         self._index, self._geometry = index, geometry
@@ -381,7 +203,7 @@ class ThcSwitch:
     @property
     def geometry(self) -> ProgramGeometry:
         if self._geometry is None:
-            self._geometry = ProgramGeometry.from_index(self.index)
+            self._geometry = program_geometry(self.index)
         return self._geometry
 
     # -- forwarding ------------------------------------------------------------------------------
@@ -508,14 +330,3 @@ class ThcSwitch:
                                      f"`register_read {name}` on its Thrift port") from None
             raise
         return {e.register_entry.index.index: decode(e.register_entry.data.bitstring) for e in got}
-
-
-def mac_int(mac: str) -> int:
-    """``aa:bb:cc:dd:ee:ff`` -> 48-bit integer."""
-    parts = mac.split(":")
-    if len(parts) != 6:
-        raise ValueError(f"not a MAC address: {mac!r}")
-    try:
-        return int("".join(f"{int(p, 16):02x}" for p in parts), 16)
-    except ValueError:
-        raise ValueError(f"not a MAC address: {mac!r}") from None

@@ -4,9 +4,9 @@ The Tofino SDE's runtime (BF Runtime) is driven here through ``bfrt_python`` scr
 scripting front end (``$SDE/run_bfshell.sh -b script.py``): this module *writes* the script, and runs it
 only where the SDE is installed (``$SDE/run_bfshell.sh`` exists). Why scripts and not a gRPC client: the
 BF Runtime gRPC client ships with the SDE only (it is not on PyPI), and a script is something a user can
-read, keep and rerun on the switch.
+read, keep and rerun on the switch. It imports neither grpc nor protobuf.
 
-The entries come from the same code as the BMv2 ones: ``aggregator.p4rt.thc.job_entries``,
+The entries come from the same code as the BMv2 ones: ``aggregator.switch.entries.job_entries``,
 ``service_entry`` and ``route_entry`` give target-neutral logical entries; ``bfrt_load_script`` spells
 them in bfrt_python. A load script, in order: port configuration (one port per worker, plus the ones
 of the routes), register reset (every register of the program, so jobs start FRESH), services and
@@ -30,20 +30,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from aggregator.p4rt.errors import SwitchError
-from aggregator.p4rt.p4info import ProgramGeometry
-from aggregator.p4rt.thc import (
+from aggregator.switch.entries import (
     InstalledJob,
     JobEntries,
     LogicalEntry,
     MulticastGroup,
     Placement,
+    ProgramGeometry,
     job_entries,
     new_generation,
     place_job,
     route_entry,
     service_entry,
 )
+from aggregator.switch.errors import SwitchError
 from worker_lib.job import JobConfig
 from worker_lib.wire.protocol import Counter
 
@@ -198,7 +198,7 @@ def bfrt_load_script(plan: TofinoPlan, generation: int | None = None) -> str:
     ports = sorted({p for tj, _, _ in jobs for p in tj.ports} | {int(r[2]) for r in plan.routes})
     pc = plan.port_config
     lines = [
-        "# bfrt_python script written by thc-switch (aggregator/p4rt/bfrt.py). Run on the switch with",
+        "# bfrt_python script written by thc-switch (aggregator/bfrt.py). Run on the switch with",
         "#   $SDE/run_bfshell.sh -b <this file>",
         "# after starting bf_switchd with the compiled p4src/tofino/thc.p4. Do not edit: regenerate it.",
         f"p4 = bfrt.{prog.name}.{prog.pipe}",

@@ -1,4 +1,5 @@
-"""``thc-switch``: load the THC program onto a BMv2 switch and configure it over P4Runtime.
+"""``thc-switch``: load the THC program onto a switch and configure it: BMv2 over P4Runtime, Tofino
+through bfrt_python scripts.
 
     thc-switch --switch 127.0.0.1:9559 load --p4info build/thc.p4info.txtpb --json build/thc.json \\
         --service 10.0.0.100,02:00:00:00:01:00 --route 10.0.0.1/32,00:00:00:00:00:01,1
@@ -24,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from aggregator.p4rt.bfrt import (
+from aggregator.bfrt import (
     DEFAULT_TOFINO_GEOMETRY,
     BfrtUnavailable,
     TofinoJob,
@@ -36,10 +37,8 @@ from aggregator.p4rt.bfrt import (
     parse_stats_output,
     run_bfrt_script,
 )
-from aggregator.p4rt.client import SwitchAddress, wait_for_switch
-from aggregator.p4rt.errors import SwitchError
-from aggregator.p4rt.p4info import ProgramGeometry
-from aggregator.p4rt.thc import ThcSwitch
+from aggregator.switch.entries import ProgramGeometry
+from aggregator.switch.errors import SwitchError
 from worker_lib.job import JobConfigError, load_jobs, parse_job_spec
 
 log = logging.getLogger(__name__)
@@ -178,6 +177,10 @@ def run(args: argparse.Namespace) -> int:
         return run_tofino(args)
     if args.command == "load" and (args.p4info is None or args.json is None):
         raise SwitchError("load --target bmv2 needs --p4info and --json")
+    # P4Runtime (grpc, protobuf) only for BMv2: a Tofino user needs neither.
+    from aggregator.p4rt.client import SwitchAddress, wait_for_switch
+    from aggregator.p4rt.thc import ThcSwitch
+
     addr = SwitchAddress.parse(args.switch, args.device_id, args.election_id)
     if args.wait > 0:
         wait_for_switch(addr, timeout=args.wait)
