@@ -210,7 +210,7 @@ def test_wrong_key_or_table_changes_nothing_and_errors_clearly() -> None:
 
 
 def test_unreachable_aggregator_raises_after_deadline() -> None:
-    """No aggregator on the port: AggregatorUnreachable after about the deadline, never a hang."""
+    """No aggregator on the port: AggregatorUnreachable once the deadline passes without an answer."""
     cfg = JobConfig(workers=1, slots=4, elems=K)
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     probe.bind(("127.0.0.1", 0))
@@ -218,10 +218,11 @@ def test_unreachable_aggregator_raises_after_deadline() -> None:
     probe.close()
     tr = Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), deadline=0.4,
                                    timeout=0.05))
-    t0 = time.monotonic()
     with pytest.raises(AggregatorUnreachable, match=f"127.0.0.1:{port}"):
         tr.exchange_norm(1.0)
-    assert 0.35 < time.monotonic() - t0 < 3
+    # It waited out the deadline: resent after 0.05 s and again after 0.1 s more, before 0.4 s passed
+    # (a count, not a clock reading: a busy machine only makes it more). The hang guard is pytest-timeout.
+    assert tr.stats.retransmissions >= 2
     tr.close()
 
 
@@ -418,48 +419,20 @@ def test_zero_fill_allreduce_zeroes_lost_chunks_in_transformed_domain() -> None:
     assert float(rotated[torch.from_numpy(~lost)].abs().mean()) > 1e-2 * scale
 
 
-def test_rtt_estimate_follows_rfc6298() -> None:
-    """The timeout starts at ``timeout``, then tracks SRTT + 4 RTTVAR (gains 1/8 and 1/4), clamped to
-    [timeout, max_timeout], doubles on every expiry until the next clean sample; without adaptation it
-    stays ``timeout``."""
+def test_transport_paces_by_its_policy() -> None:
+    """A reliable transport adapts its timeout and window (as configured); zero-fill keeps its workers in
+    step: fixed timeout, fixed window W, whatever the samples and expiries say."""
     cfg = JobConfig(workers=1, slots=4, elems=K)
-    tr = Transport(TransportConfig(cfg, worker=0, timeout=0.01, max_timeout=5.0))
-    try:
-        assert tr.rto() == 0.01
-        srtt, var = 0.1, 0.05  # first sample: SRTT = R, RTTVAR = R / 2
-        tr._rtt_sample(0.1)
-        assert tr.rto() == pytest.approx(srtt + 4 * var)
-        for r in (0.3, 0.02, 0.2):
-            var = 0.75 * var + 0.25 * abs(srtt - r)
-            srtt = 0.875 * srtt + 0.125 * r
-            tr._rtt_sample(r)
-        assert tr.rto() == pytest.approx(srtt + 4 * var)
-        base = srtt + 4 * var
-        tr._expired(0.0)
-        tr._expired(0.0)
-        assert tr.rto() == pytest.approx(4 * base)
-        for _ in range(10):
-            tr._expired(0.0)
-        assert tr.rto() == 5.0
-        var = 0.75 * var + 0.25 * abs(srtt - 0.02)
-        srtt = 0.875 * srtt + 0.125 * 0.02
-        tr._rtt_sample(0.02)  # a clean sample ends the backoff
-        assert tr.rto() == pytest.approx(srtt + 4 * var)
-        tr._rtt_sample(50.0)
-        assert tr.rto() == 5.0
-    finally:
-        tr.close()
-    fixed = Transport(TransportConfig(cfg, worker=0, timeout=0.01, adaptive_timeout=False))
-    fixed._rtt_sample(0.3)
-    fixed._expired(0.0)
-    assert fixed.rto() == 0.01
-    fixed.close()
-    # zero-fill keeps its workers in step: fixed timeout, fixed window, whatever the samples say
-    zf = Transport(TransportConfig(cfg, worker=0, timeout=0.01, loss_policy="zero-fill"))
-    zf._rtt_sample(0.3)
-    zf._expired(1.0)
-    assert zf.rto() == 0.01 and zf.window() == cfg.slots
-    zf.close()
+    with Transport(TransportConfig(cfg, worker=0, timeout=0.01, max_timeout=5.0, window=3)) as tr:
+        assert (tr.pacer.adaptive_timeout, tr.pacer.congestion_control, tr.pacer.max_window) == (True, True, 3)
+    with Transport(TransportConfig(cfg, worker=0, timeout=0.01, adaptive_timeout=False)) as fixed:
+        fixed.pacer.sample(0.3)
+        fixed.pacer.expired(0.0)
+        assert fixed.pacer.rto() == 0.01
+    with Transport(TransportConfig(cfg, worker=0, timeout=0.01, loss_policy="zero-fill")) as zf:
+        zf.pacer.sample(0.3)
+        zf.pacer.expired(1.0)
+        assert zf.pacer.rto() == 0.01 and zf.pacer.window() == cfg.slots
     with pytest.raises(ValueError, match="max_timeout"):
         TransportConfig(cfg, worker=0, timeout=0.5, max_timeout=0.1)
 
@@ -540,5 +513,5 @@ def test_congestion_window_backs_off_a_full_queue() -> None:
             assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
             retx[cc] = tr.stats.retransmissions
             if cc:
-                assert 2 <= tr.window() <= 24
+                assert 2 <= tr.pacer.window() <= 24
     assert retx[True] < retx[False] / 2, retx

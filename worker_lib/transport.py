@@ -17,14 +17,11 @@ decoding on top. ``exchange_message`` carries one whole codec message of a ``dar
 (decompress-aggregate-recompress, software aggregator only) as fragments and reassembles the
 aggregator's re-encoded average.
 
-Under ``reliable`` the retransmission timeout adapts to the measured round trip as TCP's does
-(RFC 6298: SRTT + 4 RTTVAR from uses answered without retransmission, never below ``timeout`` nor
-above ``max_timeout``, doubled on every expiry until a clean sample), so that a window queued behind
-a slow link is not sent again while it waits; and the window is a congestion window (AIMD: one use
-more per answer up to ``ssthresh``, one per window of answers beyond, up to W; halved when uses time
-out, at most once per round trip), so that a window of large packets does not overflow a slow link's
-queue again and again. Under ``zero-fill`` the workers must stay in step (a chunk one worker gave up
-must not complete for another), so the timeout stays ``timeout`` and the window W.
+When to resend and how many uses to keep in flight is the transport's ``Pacer``
+(``worker_lib/pacing.py``): under ``reliable`` the timeout follows the measured round trip (RFC 6298)
+so that a window queued behind a slow link is not sent again while it waits, and the window is a
+congestion window (AIMD) so that a window of large packets does not overflow a slow link's queue
+again and again; under ``zero-fill`` both stay fixed (``timeout``, W) so that the workers stay in step.
 
 Usage::
 
@@ -50,6 +47,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from worker_lib.job import JobConfig
+from worker_lib.pacing import Pacer
 from worker_lib.wire.bits import pack_bits
 from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, HEADER_STRUCT, VERSION, PacketType
 from worker_lib.wire.pcap import PcapWriter
@@ -172,13 +170,12 @@ class Transport:
         self._rbuf = bytearray(65536)
         self._dests = [(cfg.aggregator[0], cfg.aggregator[1] + i) for i in range(cfg.shards)]
         self.pcap = PcapWriter(cfg.pcap) if cfg.pcap is not None else None
-        self.srtt: float | None = None  #: smoothed round trip of a use (seconds), None before a sample
-        self.rttvar = 0.0
-        self.backoff = 0  #: doublings of the timeout since the last unambiguous round-trip sample
-        self.max_window = min(cfg.window or cfg.params.slots, cfg.params.slots)
-        self.cwnd = float(min(self.max_window, max(1, cfg.initial_window)))  #: congestion window (uses)
-        self.ssthresh = float(self.max_window)
-        self._last_cut = -math.inf
+        # zero-fill keeps a fixed timeout and window: its workers must stay in step (see pacing.py)
+        adapt = cfg.loss_policy == "reliable"
+        self.pacer = Pacer(timeout=cfg.timeout, max_timeout=cfg.max_timeout,
+                           max_window=min(cfg.window or p.slots, p.slots), initial_window=cfg.initial_window,
+                           adaptive_timeout=adapt and cfg.adaptive_timeout,
+                           congestion_control=adapt and cfg.congestion_control)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -282,13 +279,13 @@ class Transport:
         lost = MessageResult(np.zeros(0, np.uint8), 0, 0)
         while True:
             now = time.monotonic()
-            if now - sent_at >= self.rto():
+            if now - sent_at >= self.pacer.rto():
                 if cfg.loss_policy == "zero-fill" and tries >= cfg.retries:
                     self.stats.lost_chunks += 1
                     self.stats.lost.append((tensor, 0))
                     return lost
                 tries += 1
-                self._expired(now)
+                self.pacer.expired(now)
                 # Fragment k is answered with result fragments k, k + frags, ...: resend only those whose
                 # answers are missing once the result's fragment count is known.
                 want = range(frags) if res_frags < 0 else \
@@ -302,7 +299,7 @@ class Transport:
                     f"worker {cfg.worker}: no answer from the aggregator at {dest[0]}:{dest[1]} for "
                     f"{cfg.deadline:.1f} s: is thc-aggregator running there with dar job {p.job} and this key, "
                     f"and are the job's other workers sending?")
-            wait = max(0.0005, sent_at + self.rto() - now)
+            wait = max(0.0005, sent_at + self.pacer.rto() - now)
             ready, _, _ = select.select(self.socks, [], [], wait)
             for sock in ready:
                 while True:
@@ -352,7 +349,7 @@ class Transport:
                     have += 1
                     if have == res_frags:
                         if tries == 0:
-                            self._rtt_sample(last_answer - sent_at)
+                            self.pacer.sample(last_answer - sent_at)
                         self.stats.results += 1
                         if sock is not self.sock:
                             self.stats.multicast_results += 1
@@ -400,17 +397,17 @@ class Transport:
         rdt = np.dtype({8: ">u1", 16: ">u2", 32: ">u4"}[32 if is_norm else p.result_bits])
         while base < count:
             now = time.monotonic()
-            window = self.window()
+            window = self.pacer.window()
             while nxt < count and nxt < base + window:
                 by_slot[int(slots[nxt])] = nxt
                 self._send(rows[nxt], int(slots[nxt]))
                 sent_at[nxt] = now
                 nxt += 1
             # Retransmit or give up what timed out (each retry of a use doubles its timeout).
-            rto = self.rto()
+            rto = self.pacer.rto()
             due = base + np.flatnonzero(~done[base:nxt] & (now - sent_at[base:nxt] >= rto))
             if due.size:
-                self._expired(now)
+                self.pacer.expired(now)
             for i in due.tolist():
                 if policy == "zero-fill" and tries[i] >= cfg.retries:
                     self._finish_lost(i, int(slots[i]), tensor, done, lost, by_slot)
@@ -427,10 +424,10 @@ class Transport:
                     f"table, and are the job's other workers sending?")
             while base < count and done[base]:
                 base += 1
-            if base >= count or (nxt < count and nxt < base + self.window()):
+            if base >= count or (nxt < count and nxt < base + self.pacer.window()):
                 continue
             pending = sent_at[base:nxt][~done[base:nxt]]
-            rto = self.rto()
+            rto = self.pacer.rto()
             wait = max(0.0, min(rto, float(pending.min()) + rto - now) if pending.size else 0.0)
             ready, _, _ = select.select(self.socks, [], [], max(wait, 0.0005))
             for s in ready:
@@ -480,8 +477,8 @@ class Transport:
                     bitmap[i] = fbitmap
                     done[i] = True
                     if tries[i] == 0:
-                        self._rtt_sample(last_answer - sent_at[i])
-                    self._answered()
+                        self.pacer.sample(last_answer - sent_at[i])
+                    self.pacer.answered()
                     by_slot.pop(fslot, None)
                     self.stats.results += 1
                     if s is not self.sock:
@@ -495,49 +492,6 @@ class Transport:
         by_slot.pop(slot, None)
         self.stats.lost_chunks += 1
         self.stats.lost.append((tensor, i))
-
-    def rto(self) -> float:
-        """The current retransmission timeout of a use (fixed under ``zero-fill``, see ``window``:
-        workers that gave chunks up at different times would drift out of step)."""
-        cfg = self.cfg
-        if not cfg.adaptive_timeout or cfg.loss_policy == "zero-fill":
-            return cfg.timeout
-        base = cfg.timeout if self.srtt is None else max(cfg.timeout, self.srtt + 4.0 * self.rttvar)
-        return min(cfg.max_timeout, base * 2.0 ** self.backoff)
-
-    def window(self) -> int:
-        """Uses that may be in flight now: the congestion window (or the configured window).
-
-        Under ``zero-fill`` the window stays W: a worker whose window shrank would send its chunks
-        after the others gave them up, so that some workers would decode a chunk the others zero-filled.
-        """
-        if not self.cfg.congestion_control or self.cfg.loss_policy == "zero-fill":
-            return self.max_window
-        return max(1, min(self.max_window, int(self.cwnd)))
-
-    def _expired(self, now: float) -> None:
-        """Uses timed out: back the timeout off (kept for new uses too, until a clean sample) and halve
-        the congestion window, once per round trip."""
-        if self.cfg.adaptive_timeout and self.rto() < self.cfg.max_timeout:
-            self.backoff += 1
-        if self.cfg.congestion_control and now - self._last_cut >= (self.srtt or self.cfg.timeout):
-            self.ssthresh = max(2.0, self.cwnd / 2)
-            self.cwnd = self.ssthresh
-            self._last_cut = now
-
-    def _answered(self) -> None:
-        """A use was answered: grow the congestion window (slow start, then one use per window)."""
-        if self.cfg.congestion_control:
-            self.cwnd = min(float(self.max_window), self.cwnd + (1.0 if self.cwnd < self.ssthresh else 1.0 / self.cwnd))
-
-    def _rtt_sample(self, rtt: float) -> None:
-        """Fold in the round trip of a use answered without retransmission (Karn's rule)."""
-        if self.srtt is None:
-            self.srtt, self.rttvar = rtt, rtt / 2
-        else:
-            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
-            self.srtt = 0.875 * self.srtt + 0.125 * rtt
-        self.backoff = 0
 
     def _receive(self, sock: socket.socket) -> int:
         """One datagram into ``self._rbuf``: its length, or -1 when the simulated loss took it.
