@@ -21,9 +21,8 @@ import pytest
 import torch
 
 from launchers.aggregator_process import job_spec, listening_port
-from worker_lib.ddp import DEFAULT_JOB, DDPHookConfig, THCHookState
-from worker_lib.ddp import DEFAULT_KEY as HOOK_DEFAULT_KEY
-from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig
+from worker_lib.ddp import DDPHookConfig, THCHookState
+from worker_lib.job import JobConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
@@ -182,8 +181,7 @@ class OneWorkerJobs:
         if not self.jobs[kind]:
             raise RuntimeError("OneWorkerJobs: no fresh job left; raise PER_KIND")
         job = self.jobs[kind].pop()
-        cfg = DDPHookConfig(aggregator=("127.0.0.1", self.port), job=job.job, key=job.key, kind=kind,
-                            result_bits=int(job.result_bits), elems=int(job.elems), deadline=5.0, **kw)
+        cfg = DDPHookConfig(aggregator=("127.0.0.1", self.port), job=job, deadline=5.0, **kw)
         return THCHookState(cfg, rank=0, world_size=1)
 
 
@@ -267,17 +265,15 @@ def test_unreachable_aggregator_raises_not_hangs() -> None:
 
 def test_config_validation_and_defaults() -> None:
     """Clear errors for bad settings; the default job is the one thc-aggregator serves without options."""
-    assert (DEFAULT_JOB, HOOK_DEFAULT_KEY) == (DEFAULT_JOB_ID, DEFAULT_KEY)
-    with pytest.raises(ValueError, match="kind must be"):
-        DDPHookConfig(kind="fp8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="thc or uncompressed"):
+        DDPHookConfig(job=JobConfig(workers=2, kind="dar", codec="natural", length=100, max_message=400))
     with pytest.raises(ValueError, match="loss_policy"):
         DDPHookConfig(loss_policy="maybe")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="port"):
         DDPHookConfig(aggregator=("127.0.0.1", 0))
-    with pytest.raises(ValueError):
-        DDPHookConfig(bits=0)
-    job = JobConfig(workers=3)
-    assert DDPHookConfig().job_config(3).table_id == job.table_id  # the hook's table is the aggregator's
+    with pytest.raises(ValueError, match="workers=3, but the world has 4 ranks"):
+        DDPHookConfig(job=JobConfig(workers=3)).job_config(4)
+    assert DDPHookConfig().job_config(3) == JobConfig(workers=3)  # thc-aggregator's default job
 
 
 def test_example_help_and_without_torchrun() -> None:

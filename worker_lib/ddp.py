@@ -26,7 +26,7 @@ Why it is built this way:
 
 Usage::
 
-    cfg = DDPHookConfig(aggregator=("10.0.0.1", 9451), job=1)       # the job thc-aggregator serves
+    cfg = DDPHookConfig(aggregator=("10.0.0.1", 9451))              # thc-aggregator's default job
     model = DistributedDataParallel(net)
     state = register_thc_hook(model, cfg)                           # rank/world from torch.distributed
     ...train as usual...
@@ -46,7 +46,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 import torch
@@ -60,32 +59,20 @@ log = logging.getLogger(__name__)
 
 __all__ = ["AggregatorUnreachable", "DDPHookConfig", "HookStats", "THCHookState", "register_thc_hook", "thc_hook"]
 
-#: The job ``thc-aggregator`` serves when started without a job (worker_lib.job.DEFAULT_JOB_ID / DEFAULT_KEY;
-#: tests/test_ddp.py checks that they agree, since worker_lib does not import the aggregator).
-DEFAULT_JOB = 1
-DEFAULT_KEY = 0x54484321
 _INT32_MAX = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
 class DDPHookConfig:
-    """Settings of the DDP hook: where the aggregator is, which job, THC's knobs, loss policy, timeouts.
+    """Settings of the DDP hook: where the aggregator is, which job, loss policy, timeouts.
 
-    ``kind``, ``bits``, ``granularity``, ``p``, ``result_bits``, ``slots`` and ``elems`` must be those
-    of the job the aggregator serves (``worker_lib.job.JobConfig`` computes the defaults of
-    ``result_bits`` and ``elems``; pass its values).
+    ``job`` is the job the aggregator serves, the same ``JobConfig`` it is configured with (kind
+    ``thc`` or ``uncompressed``; its ``workers`` must be the world size). None: the job ``thc-aggregator``
+    serves when started without one (``JobConfig(workers=world_size)``).
     """
 
     aggregator: tuple[str, int] = ("127.0.0.1", 9451)
-    job: int = DEFAULT_JOB
-    key: int = DEFAULT_KEY
-    kind: Literal["thc", "uncompressed"] = "thc"
-    bits: int = 4
-    granularity: int = 30
-    p: float = 1 / 32
-    result_bits: int = 8
-    slots: int = 128
-    elems: int = 1024
+    job: JobConfig | None = None
     shards: int = 1  #: aggregator shards (ports PORT..PORT+shards-1)
     loss_policy: LossPolicy = "reliable"
     timeout: float = 0.05  #: seconds before a use is retransmitted
@@ -99,8 +86,8 @@ class DDPHookConfig:
     seed: int = 0  #: seeds the stochastic quantization (mixed with the rank)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("thc", "uncompressed"):
-            raise ValueError(f"kind must be 'thc' or 'uncompressed', got {self.kind!r}")
+        if self.job is not None and self.job.kind not in ("thc", "uncompressed"):
+            raise ValueError(f"the DDP hook sends thc or uncompressed jobs; job {self.job.job} is {self.job.kind!r}")
         if self.loss_policy not in ("reliable", "zero-fill"):
             raise ValueError(f"loss_policy must be 'reliable' or 'zero-fill', got {self.loss_policy!r}")
         host, port = self.aggregator
@@ -108,18 +95,15 @@ class DDPHookConfig:
             raise ValueError(f"aggregator must be (host, port) with a port in 1..65535, got {self.aggregator!r}")
         if self.timeout <= 0 or self.deadline <= 0:
             raise ValueError("timeout and deadline must be positive seconds")
-        if self.kind == "thc":
-            self.thc_config()  # validates bits, granularity and p with THC's own messages
-
-    def thc_config(self) -> THCConfig:
-        """THC's codec settings (error feedback is done by the hook, per parameter)."""
-        return THCConfig(bits=self.bits, granularity=self.granularity, p=self.p, error_feedback=False)
 
     def job_config(self, workers: int) -> JobConfig:
-        """The job for ``workers`` ranks, as the aggregator must be configured with it."""
-        return JobConfig(job=self.job, key=self.key, workers=workers, kind=self.kind, bits=self.bits,
-                         granularity=self.granularity, p=self.p, result_bits=self.result_bits, slots=self.slots,
-                         elems=self.elems)
+        """The job for ``workers`` ranks (a clear error when ``job`` was made for another world size)."""
+        if self.job is None:
+            return JobConfig(workers=workers)
+        if self.job.workers != workers:
+            raise ValueError(f"job {self.job.job} has workers={self.job.workers}, but the world has {workers} "
+                             f"ranks: configure the job (and the aggregator) for the world size")
+        return self.job
 
     def transport_config(self, rank: int, workers: int) -> TransportConfig:
         return TransportConfig(self.job_config(workers), worker=rank, aggregator=(self.aggregator[0],
@@ -167,6 +151,7 @@ class THCHookState:
     process_group: dist.ProcessGroup | None = None
     stats: HookStats = field(default_factory=HookStats)
     step: int = field(init=False, default=0)
+    job: JobConfig = field(init=False)  #: the job, for this world size
     transport: Transport = field(init=False)
     _workers: dict[str, THCWorker] = field(init=False, default_factory=dict)
     _bucket_errors: dict[int, _BucketError] = field(init=False, default_factory=dict)
@@ -181,11 +166,12 @@ class THCHookState:
                 raise RuntimeError("THCHookState needs rank and world_size, or an initialized torch.distributed")
             self.rank = dist.get_rank(self.process_group) if self.rank is None else self.rank
             self.world_size = dist.get_world_size(self.process_group) if self.world_size is None else self.world_size
+        self.job = self.config.job_config(self.world_size)
         self.transport = Transport(self.config.transport_config(self.rank, self.world_size))
         if self.config.overlap:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"thc-hook{self.rank}")
-        log.info("rank %d: THC hook (%s) to aggregator %s:%d job %d from %s", self.rank, self.config.kind,
-                 *self.config.aggregator, self.config.job, self.transport.address)
+        log.info("rank %d: THC hook (%s) to aggregator %s:%d job %d from %s", self.rank, self.job.kind,
+                 *self.config.aggregator, self.job.job, self.transport.address)
 
     # -- life cycle ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -233,9 +219,11 @@ class THCHookState:
         key = str(device)
         w = self._workers.get(key)
         if w is None:
-            cfg = self.config
-            w = self._workers[key] = THCWorker(cfg.thc_config(), job=cfg.job, worker=self.rank, device=device,
-                                               seed=cfg.seed * 7919 + self.rank)
+            job = self.job
+            # error feedback is the hook's (per parameter), not the codec's
+            thc = THCConfig(bits=job.bits, granularity=job.granularity, p=job.p, error_feedback=False)
+            w = self._workers[key] = THCWorker(thc, job=job.job, worker=self.rank, device=device,
+                                               seed=self.config.seed * 7919 + self.rank)
         return w
 
     def error_of(self, param: torch.Tensor) -> torch.Tensor | None:
@@ -265,10 +253,10 @@ class THCHookState:
 
     def _average(self, buffer: torch.Tensor, index: int, params: tuple[int, ...], sizes: list[int], step: int,
                  last: bool) -> None:
-        cfg, st = self.config, self.stats
+        st = self.stats
         t0 = time.perf_counter()
         flat = buffer.detach().reshape(-1)
-        if cfg.kind == "uncompressed":
+        if self.job.kind == "uncompressed":
             avg = self._average_fixed_point(flat.to(torch.float32), index, t0)
         else:
             avg = self._average_thc(flat, index, params, sizes, step, t0)
