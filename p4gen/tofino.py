@@ -22,7 +22,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from p4gen import P4SRC
 from p4gen.codegen import P4Geometry, fill_markers, write_or_check
@@ -135,11 +135,23 @@ Pattern = dict  # key name -> (value, mask); a bool key -> True/False
 
 @dataclass(frozen=True)
 class Check:
-    """One validation check: its counter, and FAIL patterns or PASS patterns (exactly one of the two)."""
+    """One validation check: its counter, what failing it means (``why``, the comment of its rows), and
+    FAIL patterns or PASS patterns (exactly one of the two; ``labels`` names each PASS pattern)."""
 
     counter: str
+    why: str
     fail: tuple[Pattern, ...] = ()
     passes: tuple[Pattern, ...] = ()
+    labels: tuple[str, ...] = ()
+
+
+class TcamRow(NamedTuple):
+    """One entry of the validate table: its pattern, the counter it rejects with (None: valid), and the
+    comment that says which check it encodes."""
+
+    pattern: Pattern
+    counter: str | None
+    note: str
 
 
 def validation_checks(g: TofinoGeometry) -> tuple[Check, ...]:
@@ -153,38 +165,41 @@ def validation_checks(g: TofinoGeometry) -> tuple[Check, ...]:
             "udp_length": (udp_thc + 4, full16)}
     assert data_t ^ norm_t == 2, "the type check below assumes DATA and NORM differ in bit 1 only"
     return (
-        Check("THC_CTR_SHORT", fail=({"thc_valid": False},)),
-        Check("THC_CTR_SHORT", passes=({"udp_short": (0, full16)},)),
-        Check("THC_CTR_BAD_VERSION", passes=({"version": (VERSION, 0xFF)},)),
-        Check("THC_CTR_BAD_TYPE", passes=({"type": (data_t, 0xFF ^ 2)},)),
-        Check("THC_CTR_UNKNOWN_JOB", fail=({"job_hit": (0, 0xFF)},)),
-        Check("THC_CTR_BAD_KEY", passes=({"key_diff": (0, full32)},)),
-        Check("THC_CTR_BAD_TABLE", passes=({"table_diff": (0, full16)},)),
-        Check("THC_CTR_BAD_WORKER", fail=({"workers_left": (0, 0xFF)},)),
-        Check("THC_CTR_BAD_SLOT", fail=({"slots_left": (0, full16)},)),
-        Check("THC_CTR_BAD_FORMAT", passes=(data, norm)),
-        # NORM only: sign bit set, or exponent all ones.
-        Check("THC_CTR_BAD_NORM", fail=({"type": (norm_t, 0xFF), "norm_sign_exp": (0x100, 0x100)},
-                                        {"type": (norm_t, 0xFF), "norm_sign_exp": (0xFF, 0xFF)})),
+        Check("THC_CTR_SHORT", "no THC header parsed", fail=({"thc_valid": False},)),
+        Check("THC_CTR_SHORT", "UDP payload shorter than the THC header", passes=({"udp_short": (0, full16)},)),
+        Check("THC_CTR_BAD_VERSION", f"version is not {VERSION}", passes=({"version": (VERSION, 0xFF)},)),
+        Check("THC_CTR_BAD_TYPE", "type is neither DATA nor NORM", passes=({"type": (data_t, 0xFF ^ 2)},)),
+        Check("THC_CTR_UNKNOWN_JOB", "job not configured", fail=({"job_hit": (0, 0xFF)},)),
+        Check("THC_CTR_BAD_KEY", "key is not the job's", passes=({"key_diff": (0, full32)},)),
+        Check("THC_CTR_BAD_TABLE", "table id is not the job's", passes=({"table_diff": (0, full16)},)),
+        Check("THC_CTR_BAD_WORKER", "worker id >= n", fail=({"workers_left": (0, 0xFF)},)),
+        Check("THC_CTR_BAD_SLOT", "slot >= the job's slots", fail=({"slots_left": (0, full16)},)),
+        Check("THC_CTR_BAD_FORMAT", "elems, width or UDP length not those of the job's DATA or of a NORM",
+              passes=(data, norm), labels=("DATA", "NORM")),
+        Check("THC_CTR_BAD_NORM", "NORM with the sign bit set, or an all-ones exponent (infinite or NaN)",
+              fail=({"type": (norm_t, 0xFF), "norm_sign_exp": (0x100, 0x100)},
+                    {"type": (norm_t, 0xFF), "norm_sign_exp": (0xFF, 0xFF)})),
     )
 
 
-def validation_entries(checks: tuple[Check, ...]) -> list[tuple[Pattern, str | None]]:
-    """Priority-ordered TCAM entries (pattern, counter; None: valid) whose first match is the first
-    failing check. A FAIL pattern goes before the entries of the later checks; a check with only PASS
-    patterns is conjoined into every later entry, followed by a catch-all for its counter."""
+def validation_entries(checks: tuple[Check, ...]) -> list[TcamRow]:
+    """Priority-ordered TCAM entries whose first match is the first failing check (counter None: valid).
+    A FAIL pattern goes before the entries of the later checks; a check with only PASS patterns is
+    conjoined into every later entry (which keeps its note, with the PASS pattern's label if the check
+    has several), followed by a catch-all for its counter."""
     if not checks:
-        return [({}, None)]
+        return [TcamRow({}, None, "every check passes: valid")]
     head, rest = checks[0], validation_entries(checks[1:])
     if head.fail:
-        return [(dict(p), head.counter) for p in head.fail] + rest
-    out: list[tuple[Pattern, str | None]] = []
-    for p in head.passes:
-        for pat, counter in rest:
-            merged = _conjoin(p, pat)
+        return [TcamRow(dict(p), head.counter, head.why) for p in head.fail] + rest
+    out: list[TcamRow] = []
+    for k, p in enumerate(head.passes):
+        label = f" [{head.labels[k]}]" if head.labels else ""
+        for row in rest:
+            merged = _conjoin(p, row.pattern)
             if merged is not None:
-                out.append((merged, counter))
-    return [*out, ({}, head.counter)]
+                out.append(TcamRow(merged, row.counter, row.note + label))
+    return [*out, TcamRow({}, head.counter, head.why)]
 
 
 def _conjoin(a: Pattern, b: Pattern) -> Pattern | None:
@@ -206,7 +221,8 @@ def _conjoin(a: Pattern, b: Pattern) -> Pattern | None:
 
 def _validate_entries(g: TofinoGeometry) -> str:
     lines = []
-    for pat, counter in validation_entries(validation_checks(g)):
+    for pat, counter, note in validation_entries(validation_checks(g)):
+        lines.append(f"// {note}")
         cells = []
         for name, _ in VALIDATE_KEYS:
             v = pat.get(name)

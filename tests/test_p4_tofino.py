@@ -193,7 +193,7 @@ def _reference_check(f: dict, k: int, b: int) -> str | None:
 
 
 def _tcam_first_match(entries: list, f: dict) -> str | None:
-    for pattern, counter in entries:
+    for pattern, counter, _note in entries:
         if all(f[key] == v if isinstance(v, bool) else f[key] & v[1] == v[0] & v[1] for key, v in pattern.items()):
             return counter
     raise AssertionError(f"no entry matches {f}")
@@ -206,7 +206,7 @@ def test_validation_table_is_the_protocols_check_order(elems: int, bits: int) ->
     values drawn around every check's boundary."""
     g = gen.TofinoGeometry(elems=elems, bits=bits)
     entries = gen.validation_entries(gen.validation_checks(g))
-    assert {name for p, _ in entries for name in p} <= {name for name, _ in gen.VALIDATE_KEYS}
+    assert {name for row in entries for name in row.pattern} <= {name for name, _ in gen.VALIDATE_KEYS}
     rng = random.Random(7)
     # Per field: the values that pass its check, then the ones that do not (drawn 1 time in 8).
     choices = {
@@ -227,7 +227,9 @@ def test_validation_table_is_the_protocols_check_order(elems: int, bits: int) ->
     # The rendered table holds the same entries in the same order.
     text = gen.render(g)
     table = text[text.index("table validate {"):]
-    assert len(re.findall(r"^\s*\(.*\) : (?:reject|validated)", table[:table.index("size =")], re.M)) == len(entries)
+    rows = re.findall(r"^\s*// (.*)\n\s*\(.*\) : (reject\((\w+)\)|validated\(\));", table[:table.index("size =")], re.M)
+    assert [(note, counter or None) for note, _, counter in rows] == [(r.note, r.counter) for r in entries]
+    assert rows[-1][0] == "no THC header parsed" or rows[-1][0].startswith("UDP payload shorter")
 
 
 def test_bf_p4c_compiles_for_tofino1(tmp_path: Path) -> None:
