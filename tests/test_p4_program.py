@@ -7,7 +7,7 @@ import re
 import pytest
 
 import p4gen.bmv2 as gen
-from tests.p4_support import CHECKED_IN_P4INFO, P4_DIR, compile_bmv2
+from tests.p4_support import CHECKED_IN_P4INFO, P4_DIR, compile_bmv2, need_tools
 from tests.test_p4_headers import parse_header
 
 PROGRAM = P4_DIR / "bmv2" / "thc.p4"
@@ -72,3 +72,10 @@ def test_checked_in_p4info_matches_the_default_geometry() -> None:
     d = gen.Geometry()
     assert (geom.elems, geom.bits, geom.result_bits, geom.slots, geom.jobs) == \
         (d.elems, d.bits, d.result_bits, d.slots, d.jobs)
+
+
+def test_need_tools_names_what_is_missing() -> None:
+    """A missing tool skips the test with its name in the reason (tests/p4_support.py's helper)."""
+    with pytest.raises(pytest.skip.Exception, match="thc-no-such-tool-xyz"):
+        need_tools("sh", "thc-no-such-tool-xyz")
+    assert "sh" in need_tools("sh")

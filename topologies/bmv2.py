@@ -45,19 +45,26 @@ class CompiledProgram:
     compiler_output: str
 
 
-def compile_program(outdir: Path, *, elems: int = 32, bits: int = 4, result_bits: int = 8, slots: int = 1024,
-                    jobs: int = 8, timeout: float = 300.0) -> CompiledProgram:
-    """Render the program for the geometry into ``outdir`` and compile it; raise RuntimeError on errors."""
+def compile_p4(src: Path, outdir: Path, *, timeout: float = 300.0) -> CompiledProgram:
+    """Compile a THC program with p4c-bm2-ss into ``outdir`` (``<stem>.json``, ``<stem>.p4info.txtpb``);
+    raise ToolMissing without the compiler, RuntimeError on a compile error."""
     outdir.mkdir(parents=True, exist_ok=True)
-    src = outdir / "thc.p4"
-    src.write_text(gen.render(gen.Geometry(elems, bits, result_bits, slots, jobs)))
-    out_json, out_info = outdir / "thc.json", outdir / "thc.p4info.txtpb"
+    out_json, out_info = outdir / f"{src.stem}.json", outdir / f"{src.stem}.p4info.txtpb"
     cmd = [find_tool("p4c-bm2-ss"), "--std", "p4-16", "-I", str(gen.INCLUDE_DIR), "-o", str(out_json),
            "--p4runtime-files", str(out_info), str(src)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"p4c-bm2-ss failed on {src}:\n{proc.stderr}{proc.stdout}")
     return CompiledProgram(src, out_json, out_info, proc.stderr + proc.stdout)
+
+
+def compile_program(outdir: Path, *, elems: int = 32, bits: int = 4, result_bits: int = 8, slots: int = 1024,
+                    jobs: int = 8, timeout: float = 300.0) -> CompiledProgram:
+    """Render the program for the geometry into ``outdir``/thc.p4 and compile it (``compile_p4``)."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    src = outdir / "thc.p4"
+    src.write_text(gen.render(gen.Geometry(elems, bits, result_bits, slots, jobs)))
+    return compile_p4(src, outdir, timeout=timeout)
 
 
 @dataclass
