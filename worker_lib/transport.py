@@ -49,9 +49,9 @@ import numpy as np
 from worker_lib.job import JobConfig
 from worker_lib.pacing import Pacer
 from worker_lib.wire.bits import pack_bits
-from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, HEADER_STRUCT, VERSION, PacketType
+from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, VERSION, PacketType
 from worker_lib.wire.pcap import PcapWriter
-from worker_lib.wire.protocol import fragment_count, next_round, serial_newer
+from worker_lib.wire.protocol import Header, fragment_count, next_round, serial_newer
 from worker_lib.wire.serializer import build_batch, float_bits
 
 log = logging.getLogger(__name__)
@@ -168,6 +168,7 @@ class Transport:
         self.stats = TransportStats()
         self._rng = np.random.default_rng([cfg.seed, cfg.worker])
         self._rbuf = bytearray(65536)
+        self._rview = memoryview(self._rbuf)
         self._dests = [(cfg.aggregator[0], cfg.aggregator[1] + i) for i in range(cfg.shards)]
         self.pcap = PcapWriter(cfg.pcap) if cfg.pcap is not None else None
         # zero-fill keeps a fixed timeout and window: its workers must stay in step (see pacing.py)
@@ -312,8 +313,9 @@ class Transport:
                     if n < HEADER_BYTES:
                         self.stats.unexpected += 1
                         continue
-                    (_v, ftyp, fjob, fkey, _t, _w, fcontrib, fslot, fround, _tensor, fchunk, felems, fwidth,
-                     _flags, _bitmap) = HEADER_STRUCT.unpack_from(self._rbuf)
+                    h, _ = Header.parse(self._rview[:HEADER_BYTES])
+                    ftyp, fjob, fkey, fcontrib, fslot, fround = h.type, h.job, h.key, h.contributors, h.slot, h.round
+                    fchunk, felems, fwidth = h.chunk, h.elems, h.width
                     if fjob != p.job or fkey != p.key or fslot != slot:
                         self.stats.unexpected += 1
                         continue
@@ -441,9 +443,9 @@ class Transport:
                     if nbytes < HEADER_BYTES:
                         self.stats.unexpected += 1
                         continue
-                    f = HEADER_STRUCT.unpack_from(self._rbuf)
-                    (_v, ftyp, fjob, fkey, _t, _w, fcontrib, fslot, fround, _tensor, _chunk, felems, fwidth,
-                     _flags, fbitmap) = f
+                    h, _ = Header.parse(self._rview[:HEADER_BYTES])
+                    ftyp, fjob, fkey, fcontrib, fslot, fround = h.type, h.job, h.key, h.contributors, h.slot, h.round
+                    felems, fwidth, fbitmap = h.elems, h.width, h.bitmap
                     if fjob != p.job or fkey != p.key:
                         self.stats.unexpected += 1
                         continue
