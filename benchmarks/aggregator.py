@@ -40,7 +40,7 @@ from aggregator.engine import DEFAULT_STRIDE
 from aggregator.io import BatchSocket, sockaddr_in, udp_socket
 from launchers.aggregator_process import listening_port
 from worker_lib.job import JobConfig
-from worker_lib.wire import build_batch, pack_bits
+from worker_lib.wire import PacketType, build_batch, fragment_count, pack_bits
 
 WORKERS = 4
 
@@ -63,8 +63,7 @@ def generator(port: int, shards: int, cfg: JobConfig, seconds: float, window: in
     rng = np.random.default_rng(0)
     pool = 64
     payload = pack_bits(rng.integers(0, 16, (pool, cfg.elems)).astype(np.uint8), cfg.bits)
-    templates = build_batch({"type": 1, "job": cfg.job, "key": cfg.key, "table_id": cfg.table_id,
-                             "worker": 0, "elems": cfg.elems, "width": cfg.bits}, payload)
+    templates = build_batch(cfg.request_fields(PacketType.DATA, worker=0), payload)
     length = templates.shape[1]
     batch = 256
     bs = BatchSocket(udp_socket("127.0.0.1", 0), batch=batch, stride=DEFAULT_STRIDE, max_send=batch)
@@ -210,9 +209,8 @@ def _thc_round_cpu(d: int, workers: int, rounds: int, batch: int = 256) -> list[
     agg = Aggregator([cfg], max_batch=batch)
     rng = np.random.default_rng(1)
     payload = pack_bits(rng.integers(0, 1 << cfg.bits, (chunks * workers, k)).astype(np.uint8), cfg.bits)
-    pkts = build_batch({"type": 1, "job": cfg.job, "key": cfg.key, "table_id": cfg.table_id,
-                        "worker": np.tile(np.arange(workers), chunks), "slot": np.repeat(np.arange(chunks), workers),
-                        "elems": k, "width": cfg.bits}, payload)
+    pkts = build_batch(cfg.request_fields(PacketType.DATA, worker=np.tile(np.arange(workers), chunks),
+                                          slot=np.repeat(np.arange(chunks), workers)), payload)
     lens = np.full(len(pkts), pkts.shape[1])
     out = []
     for r in range(rounds):
@@ -251,11 +249,10 @@ def _dar_round_cpu(codec: str, d: int, msgs: list, rounds: int, batch: int = 256
     per = cfg.elems
     rows, lens, index = [], [], []
     for w, m in enumerate(msgs):
-        frags = max(1, -(-m.nbytes // per))
+        frags = fragment_count(m.nbytes, per)
         for k in range(frags):
             body = m.payload[k * per:(k + 1) * per]
-            rows.append(build_batch({"type": 6, "job": cfg.job, "key": cfg.key, "worker": w, "chunk": k,
-                                     "elems": body.size, "width": 8},
+            rows.append(build_batch(cfg.request_fields(PacketType.DAR_DATA, worker=w, chunk=k, elems=body.size),
                                     np.concatenate([np.array([m.bits, frags], ">u4").view(np.uint8), body,
                                                     np.zeros(per - body.size, np.uint8)])[None, :])[0])
             lens.append(FRAGMENT_OVERHEAD + body.size)

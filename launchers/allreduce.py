@@ -122,9 +122,7 @@ def reference_sums(cfg: JobConfig, indices: list[np.ndarray], bitmaps: np.ndarra
         slot = np.repeat(np.arange(sel.size), len(members))
         worker = np.tile(np.array(members), sel.size)
         pay = np.stack([payload[w][c] for c in sel.tolist() for w in members])
-        hdr = {"type": int(PacketType.DATA), "job": ref.job, "key": ref.key, "table_id": ref.table_id,
-               "worker": worker, "slot": slot, "round": 0, "tensor": 0, "chunk": sel[slot],
-               "elems": ref.elems, "width": ref.bits}
+        hdr = ref.request_fields(PacketType.DATA, worker=worker, slot=slot, round=0, tensor=0, chunk=sel[slot])
         pkts = build_batch(hdr, pay)
         seen = 0
         for start in range(0, len(pkts), batch):

@@ -117,9 +117,7 @@ class SimulatedNetwork:
         slot, rnd = self._next_use()
         order = self._order(late)
         job = self.job
-        heads = {"type": PacketType.NORM, "job": job.job, "key": job.key, "table_id": job.table_id,
-                 "worker": order, "slot": slot, "round": rnd, "tensor": tensor, "chunk": 0, "elems": 1,
-                 "width": 32}
+        heads = job.request_fields(PacketType.NORM, worker=order, slot=slot, round=rnd, tensor=tensor, chunk=0)
         payload = np.array([float_bits(float(norms[w])) for w in order], dtype=">u4").view(np.uint8)
         rows = build_batch(heads, payload.reshape(len(order), 4))
         self.stats.packets_up += len(order)
@@ -161,9 +159,7 @@ class SimulatedNetwork:
                 order = order[kept]
             if order.size == 0:
                 continue
-            heads = {"type": PacketType.DATA, "job": job.job, "key": job.key, "table_id": job.table_id,
-                     "worker": order, "slot": slot, "round": rnd, "tensor": tensor, "chunk": c, "elems": k,
-                     "width": job.bits}
+            heads = job.request_fields(PacketType.DATA, worker=order, slot=slot, round=rnd, tensor=tensor, chunk=c)
             inbox = self._run(build_batch(heads, packed[order, c]), order)
             for w in range(n):
                 for h, payload in inbox[w]:

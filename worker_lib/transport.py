@@ -49,7 +49,7 @@ import numpy as np
 from worker_lib.job import JobConfig
 from worker_lib.pacing import Pacer
 from worker_lib.wire.bits import pack_bits
-from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, VERSION, PacketType
+from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, PacketType
 from worker_lib.wire.pcap import PcapWriter
 from worker_lib.wire.protocol import Header, fragment_count, next_round, serial_newer
 from worker_lib.wire.serializer import build_batch, float_bits
@@ -262,9 +262,8 @@ class Transport:
         padded = np.zeros(frags * per, np.uint8)
         padded[:nbytes] = msg
         body[:, DAR_PREFIX_BYTES:] = padded.reshape(frags, per)
-        hdr = {"version": VERSION, "type": int(PacketType.DAR_DATA), "job": p.job, "key": p.key, "table_id": 0,
-               "worker": cfg.worker, "slot": slot, "round": rnd, "tensor": tensor, "chunk": np.arange(frags),
-               "elems": sizes, "width": 8}
+        hdr = p.request_fields(PacketType.DAR_DATA, worker=cfg.worker, slot=slot, round=rnd, tensor=tensor,
+                               chunk=np.arange(frags), elems=sizes)
         pkts = build_batch(hdr, body)
         rows = [pkts[k, : HEADER_BYTES + DAR_PREFIX_BYTES + int(sizes[k])].tobytes() for k in range(frags)]
         max_frags = -(-p.max_message // per)
@@ -374,10 +373,7 @@ class Transport:
             rounds[i] = self.slot_round[s]
             self.slot_round[s] = next_round(self.slot_round[s])
         self.next_use += count
-        hdr = {"version": VERSION, "type": int(typ), "job": p.job, "key": p.key, "table_id": p.table_id,
-               "worker": cfg.worker, "slot": slots, "round": rounds, "tensor": tensor,
-               "chunk": np.arange(count), "elems": 1 if is_norm else p.elems,
-               "width": 32 if is_norm else p.data_width}
+        hdr = p.request_fields(typ, worker=cfg.worker, slot=slots, round=rounds, tensor=tensor, chunk=np.arange(count))
         pkts = build_batch(hdr, payloads)
         rows = [pkts[i].tobytes() for i in range(count)]
         k = 1 if is_norm else p.elems
