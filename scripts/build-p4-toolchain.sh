@@ -39,9 +39,9 @@ install_packages() {
         python3 python3-six
 }
 
-# source NAME VAR URL REF: print the source directory, cloning URL at REF when $VAR is unset.
+# source_dir NAME GIVEN URL REF: print GIVEN if set, else $WORK/src/NAME, cloned from URL at REF if absent.
 source_dir() {
-    local name=$1 given=$2 url=$3 ref=$4 dir="$WORK/src/$1"
+    local given=$2 url=$3 ref=$4 dir="$WORK/src/$1"
     if [ -n "$given" ]; then
         echo "$given"
         return
@@ -67,11 +67,7 @@ build_bmv2() {
     log "BMv2 $BMV2_TAG in $src"
     (cd "$src" && ./autogen.sh && ./configure --prefix="$PREFIX" --with-pi --with-thrift \
         --disable-logging-macros --disable-elogger && make -j"$JOBS" && make install) > "$WORK/logs/bmv2.log" 2>&1
-    ldconfig
-    log "simple_switch_grpc"
-    (cd "$src/targets/simple_switch_grpc" && ./autogen.sh && ./configure --prefix="$PREFIX" --with-thrift \
-        && make -j"$JOBS" && make install) > "$WORK/logs/simple_switch_grpc.log" 2>&1
-    ldconfig
+    ldconfig  # with --with-pi, BMv2 configures, builds and installs targets/simple_switch_grpc too
 }
 
 build_p4c() {
