@@ -164,7 +164,7 @@ class DarAggregator:
         prefix = np.ascontiguousarray(buf[:n, HEADER_BYTES:FRAGMENT_OVERHEAD]).view(">u4").astype(np.int64)
         bits_l, frags_l = prefix[:, 0].tolist(), prefix[:, 1].tolist()
         for i in range(n):
-            hdr, _ = Header.parse(buf[i, :HEADER_BYTES])
+            hdr = Header.unpack_from(buf[i])
             reason = self._validate(hdr, lens[i], bits_l[i], frags_l[i])
             if reason is not None:
                 c[reason] += 1

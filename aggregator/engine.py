@@ -317,7 +317,7 @@ class Aggregator:
             if length < HEADER_BYTES:
                 c[_CI.SHORT] += 1
                 continue
-            hdr, _ = Header.parse(buf[i, :HEADER_BYTES])
+            hdr = Header.unpack_from(buf[i])
             t, j, w, s, r = hdr.type, hdr.job, hdr.worker, hdr.slot, hdr.round
             typ[i], job[i], worker[i], slot[i], rnd[i] = t, j, w, s, r
             is_norm = t == _PT.NORM

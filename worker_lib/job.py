@@ -231,16 +231,16 @@ class JobConfig:
         """The table id packets must carry (0 for uncompressed jobs)."""
         return self._table_id
 
-    @property
+    @functools.cached_property
     def data_width(self) -> int:
         """Bits per element of a DATA payload: b, 32 for uncompressed jobs, 8 (bytes) for dar fragments."""
         return {"thc": self.bits, "dar": 8}.get(self.kind, 32)
 
-    @property
+    @functools.cached_property
     def data_bytes(self) -> int:
         return self.elems * self.data_width // 8
 
-    @property
+    @functools.cached_property
     def result_bytes(self) -> int:
         return self.elems * self.result_bits // 8
 

@@ -168,7 +168,6 @@ class Transport:
         self.stats = TransportStats()
         self._rng = np.random.default_rng([cfg.seed, cfg.worker])
         self._rbuf = bytearray(65536)
-        self._rview = memoryview(self._rbuf)
         self._dests = [(cfg.aggregator[0], cfg.aggregator[1] + i) for i in range(cfg.shards)]
         self.pcap = PcapWriter(cfg.pcap) if cfg.pcap is not None else None
         # zero-fill keeps a fixed timeout and window: its workers must stay in step (see pacing.py)
@@ -312,7 +311,7 @@ class Transport:
                     if n < HEADER_BYTES:
                         self.stats.unexpected += 1
                         continue
-                    h, _ = Header.parse(self._rview[:HEADER_BYTES])
+                    h = Header.unpack_from(self._rbuf)
                     ftyp, fjob, fkey, fcontrib, fslot, fround = h.type, h.job, h.key, h.contributors, h.slot, h.round
                     fchunk, felems, fwidth = h.chunk, h.elems, h.width
                     if fjob != p.job or fkey != p.key or fslot != slot:
@@ -439,7 +438,7 @@ class Transport:
                     if nbytes < HEADER_BYTES:
                         self.stats.unexpected += 1
                         continue
-                    h, _ = Header.parse(self._rview[:HEADER_BYTES])
+                    h = Header.unpack_from(self._rbuf)
                     ftyp, fjob, fkey, fcontrib, fslot, fround = h.type, h.job, h.key, h.contributors, h.slot, h.round
                     felems, fwidth, fbitmap = h.elems, h.width, h.bitmap
                     if fjob != p.job or fkey != p.key:

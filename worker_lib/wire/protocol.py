@@ -83,7 +83,13 @@ class Header:
         """(header, payload) of one packet (a UDP payload). Raises ValueError when it is too short."""
         if len(data) < HEADER_BYTES:
             raise ValueError(f"packet of {len(data)} bytes is shorter than the {HEADER_BYTES}-byte header")
-        return cls(*HEADER_STRUCT.unpack_from(data)), bytes(data[HEADER_BYTES:])
+        return cls.unpack_from(data), bytes(data[HEADER_BYTES:])
+
+    @classmethod
+    def unpack_from(cls, buffer: Any) -> Self:
+        """The header at the start of ``buffer`` (anything with the buffer protocol, at least
+        HEADER_BYTES long: a receive buffer, a numpy row), without copying a payload."""
+        return cls(*HEADER_STRUCT.unpack_from(buffer))
 
     def pack(self, payload: bytes | bytearray | memoryview = b"") -> bytes:
         """The bytes of the packet: this header, then ``payload``. Raises struct.error on a field out of range."""
