@@ -29,16 +29,20 @@ CFG = JobConfig(job=4, key=0xABCD, workers=3, threshold=2, bits=2, granularity=1
 OUTCOMES = (Counter.ACCEPTED, Counter.DUPLICATE, Counter.RETAINED, Counter.STRAGGLER, Counter.KIND_MISMATCH)
 
 
+def _batch(wires: list[bytes], stride: int) -> tuple[np.ndarray, np.ndarray]:
+    """Datagrams as the server receives them: one per row of a (len, stride) buffer, and their lengths."""
+    buf = np.zeros((len(wires), stride), np.uint8)
+    for i, w in enumerate(wires):
+        buf[i, :len(w)] = np.frombuffer(w, np.uint8)
+    return buf, np.array([len(w) for w in wires])
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.binary(max_size=80), min_size=1, max_size=40))
 def test_random_bytes_never_crash_and_are_counted(packets: list[bytes]) -> None:
     """Any datagrams: no exception, no output for garbage, and every packet lands in exactly one counter."""
     agg = Aggregator([CFG], max_batch=64)
-    stride = agg.stride
-    buf = np.zeros((len(packets), stride), np.uint8)
-    for i, p in enumerate(packets):
-        buf[i, : len(p)] = np.frombuffer(p, np.uint8)
-    agg.process(buf, np.array([len(p) for p in packets]))
+    agg.process(*_batch(packets, agg.stride))
     c = agg.counters
     from worker_lib.wire.protocol import DROP_COUNTERS
 
@@ -137,11 +141,7 @@ def _check_against_model(pkts: list[dict], batch: int, threshold: int, path: dic
     model: dict = {}
     wires = [_wire(p) for p in pkts]
     for start in range(0, len(pkts), batch):
-        chunk = wires[start:start + batch]
-        buf = np.zeros((len(chunk), agg.stride), np.uint8)
-        for i, wbytes in enumerate(chunk):
-            buf[i, : len(wbytes)] = np.frombuffer(wbytes, np.uint8)
-        res = agg.process(buf, np.array([len(x) for x in chunk]))
+        res = agg.process(*_batch(wires[start:start + batch], agg.stride))
         # Each packet causes at most one output; slots are independent, so outputs are matched to the
         # packet that caused them rather than by position.
         got = {int(res.src[m]): pkt for m, pkt in enumerate(res.packets())}
@@ -185,26 +185,10 @@ def test_scalar_and_vectorized_paths_agree(items: list) -> None:
     """Valid packets, some with one byte changed (any header field, or the norm) or cut short: the
     packet-at-a-time validation of small batches and the vectorized one drop the same packets for the
     same reasons and produce the same outputs."""
-    wires = []
-    for p, dmg in items:
-        w = bytearray(_wire(p))
-        if isinstance(dmg, list):
-            for pos, value in dmg:
-                w[pos % len(w)] = value
-        elif isinstance(dmg, int):
-            w = w[:dmg]
-        elif dmg == "inf":  # exponent all ones: an infinite or NaN norm (or payload byte of a DATA packet)
-            w[HEADER_BYTES] |= 0x7F
-            w[HEADER_BYTES + 1] |= 0x80
-        elif dmg == "negative":
-            w[HEADER_BYTES] |= 0x80
-        wires.append(bytes(w))
+    wires = [_damaged(_wire(p), dmg) for p, dmg in items]
     scalar = Aggregator([CFG], max_batch=32, scalar_below=1000)
     vector = Aggregator([CFG], max_batch=32, scalar_below=0, group_min=1)
-    buf = np.zeros((len(wires), scalar.stride), np.uint8)
-    for i, wb in enumerate(wires):
-        buf[i, : len(wb)] = np.frombuffer(wb, np.uint8)
-    lengths = np.array([len(wb) for wb in wires])
+    buf, lengths = _batch(wires, scalar.stride)
     got_s = scalar.process(buf, lengths)
     out_s = sorted(zip(got_s.src[:got_s.count].tolist(), got_s.packets(), strict=True))
     got_v = vector.process(buf, lengths)
@@ -258,7 +242,7 @@ def _damaged(wire: bytes, dmg: object) -> bytes:
             w[pos % len(w)] = value
     elif isinstance(dmg, int):
         w = w[:dmg]
-    elif dmg == "inf":
+    elif dmg == "inf":  # exponent all ones: an infinite or NaN norm (or payload bytes of a DATA packet)
         w[HEADER_BYTES] |= 0x7F
         w[HEADER_BYTES + 1] |= 0x80
     elif dmg == "negative":
@@ -302,10 +286,7 @@ def test_engine_matches_reference(items: list, batch: int, path: dict, shard: tu
     engine = Aggregator(jobs, max_batch=32, shard=shard[0], shards=shard[1], **path)
     for start in range(0, len(wires), batch):
         chunk = wires[start:start + batch]
-        buf = np.zeros((len(chunk), engine.stride), np.uint8)
-        for i, w in enumerate(chunk):
-            buf[i, :len(w)] = np.frombuffer(w, np.uint8)
-        res = engine.process(buf, np.array([len(w) for w in chunk]))
+        res = engine.process(*_batch(chunk, engine.stride))
         got = sorted(zip(res.src[:res.count].tolist(), res.packets(), strict=True))
         want = [(i, o) for i, w in enumerate(chunk) for o in ref.handle(w)]
         assert got == want
