@@ -15,7 +15,9 @@ is counted, and calls ``on_straggler``. ``exchange_indices`` / ``exchange_norm``
 calls (numpy only, no torch); ``THCAllreduce.allreduce`` adds THC's norm stage, compression and
 decoding on top. ``exchange_message`` carries one whole codec message of a ``dar`` job
 (decompress-aggregate-recompress, software aggregator only) as fragments and reassembles the
-aggregator's re-encoded average.
+aggregator's re-encoded average. Both run on one engine, ``_exchange``: a window of uses in flight,
+timeouts and retransmission, straggler notices, the deadline; each call gives it the datagrams of
+its uses, what to resend on a timeout, and how to accept an answer.
 
 When to resend and how many uses to keep in flight is the transport's ``Pacer``
 (``worker_lib/pacing.py``): under ``reliable`` the timeout follows the measured round trip (RFC 6298)
@@ -39,7 +41,7 @@ import select
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -240,7 +242,7 @@ class Transport:
         only the fragments whose answers are missing); under ``zero-fill`` the use is given up after
         ``retries`` retransmissions (an empty result). A straggler notice also gives the use up.
         """
-        cfg, p = self.cfg, self.cfg.params
+        p = self.cfg.params
         if p.kind != "dar" or p.max_message is None:
             raise ValueError("exchange_message needs a dar job (a JobConfig of kind='dar')")
         msg = np.ascontiguousarray(np.asarray(payload, np.uint8).reshape(-1))
@@ -251,130 +253,63 @@ class Transport:
             raise ValueError(f"a message of {nbytes} bytes exceeds the job's max_message {p.max_message}")
         per = p.elems
         frags = fragment_count(nbytes, per)
-        slot = self.next_use % p.slots
-        rnd = self.slot_round[slot]
-        self.slot_round[slot] = next_round(rnd)
-        self.next_use += 1
+        slots, rounds = self._claim_uses(1)
         sizes = np.minimum(per, nbytes - np.arange(frags) * per)
         body = np.zeros((frags, DAR_PREFIX_BYTES + per), np.uint8)
         body[:, :DAR_PREFIX_BYTES] = np.array([bits, frags], ">u4").view(np.uint8)
         padded = np.zeros(frags * per, np.uint8)
         padded[:nbytes] = msg
         body[:, DAR_PREFIX_BYTES:] = padded.reshape(frags, per)
-        hdr = p.request_fields(PacketType.DAR_DATA, worker=cfg.worker, slot=slot, round=rnd, tensor=tensor,
-                               chunk=np.arange(frags), elems=sizes)
+        hdr = p.request_fields(PacketType.DAR_DATA, worker=self.cfg.worker, slot=int(slots[0]), round=int(rounds[0]),
+                               tensor=tensor, chunk=np.arange(frags), elems=sizes)
         pkts = build_batch(hdr, body)
         rows = [pkts[k, : HEADER_BYTES + DAR_PREFIX_BYTES + int(sizes[k])].tobytes() for k in range(frags)]
-        max_frags = -(-p.max_message // per)
-        result = np.zeros(max_frags * per, np.uint8)
-        got = np.zeros(max_frags, bool)
-        res_bits = res_frags = -1
-        have = contributors = 0
-        tries = 0
-        dest = self._dests[slot % cfg.shards]
-        for row in rows:
-            self._send(row, slot)
-        sent_at = last_answer = time.monotonic()
-        lost = MessageResult(np.zeros(0, np.uint8), 0, 0)
-        while True:
-            now = time.monotonic()
-            if now - sent_at >= self.pacer.rto():
-                if cfg.loss_policy == "zero-fill" and tries >= cfg.retries:
-                    self.stats.lost_chunks += 1
-                    self.stats.lost.append((tensor, 0))
-                    return lost
-                tries += 1
-                self.pacer.expired(now)
-                # Fragment k is answered with result fragments k, k + frags, ...: resend only those whose
-                # answers are missing once the result's fragment count is known.
-                want = range(frags) if res_frags < 0 else \
-                    sorted({j % frags for j in np.flatnonzero(~got[:res_frags]).tolist()})
-                for k in want:
-                    self.stats.retransmissions += 1
-                    self._send(rows[k], slot)
-                sent_at = now
-            if now - last_answer > cfg.deadline:
-                raise AggregatorUnreachable(
-                    f"worker {cfg.worker}: no answer from the aggregator at {dest[0]}:{dest[1]} for "
-                    f"{cfg.deadline:.1f} s: is thc-aggregator running there with dar job {p.job} and this key, "
-                    f"and are the job's other workers sending?")
-            wait = max(0.0005, sent_at + self.pacer.rto() - now)
-            ready, _, _ = select.select(self.socks, [], [], wait)
-            for sock in ready:
-                while True:
-                    try:
-                        n = self._receive(sock)
-                    except BlockingIOError:
-                        break
-                    if n < 0:
-                        continue
-                    if n < HEADER_BYTES:
-                        self.stats.unexpected += 1
-                        continue
-                    h = Header.unpack_from(self._rbuf)
-                    ftyp, fjob, fkey, fcontrib, fslot, fround = h.type, h.job, h.key, h.contributors, h.slot, h.round
-                    fchunk, felems, fwidth = h.chunk, h.elems, h.width
-                    if fjob != p.job or fkey != p.key or fslot != slot:
-                        self.stats.unexpected += 1
-                        continue
-                    if ftyp == PacketType.STRAGGLER:
-                        if not serial_newer(fround, rnd):
-                            self.stats.unexpected += 1
-                            continue
-                        self.stats.stragglers += 1
-                        if cfg.on_straggler is not None:
-                            cfg.on_straggler(fslot, rnd, fround)
-                        self.stats.lost_chunks += 1
-                        self.stats.lost.append((tensor, 0))
-                        return lost
-                    if ftyp != PacketType.DAR_RESULT or fround != rnd or fwidth != 8 or \
-                            n < HEADER_BYTES + DAR_PREFIX_BYTES:
-                        self.stats.unexpected += 1
-                        continue
-                    rb, rf = struct.unpack_from(">II", self._rbuf, HEADER_BYTES)
-                    rbytes = -(-rb // 8)
-                    if rbytes > p.max_message or rf != fragment_count(rbytes, per) or fchunk >= rf or \
-                            felems != min(per, rbytes - fchunk * per) or \
-                            n != HEADER_BYTES + DAR_PREFIX_BYTES + felems or \
-                            (res_bits >= 0 and (rb, rf) != (res_bits, res_frags)):
-                        self.stats.unexpected += 1
-                        continue
-                    last_answer = time.monotonic()
-                    res_bits, res_frags, contributors = rb, rf, fcontrib
-                    if got[fchunk]:
-                        continue
-                    off = HEADER_BYTES + DAR_PREFIX_BYTES
-                    result[fchunk * per: fchunk * per + felems] = np.frombuffer(self._rbuf, np.uint8, felems, off)
-                    got[fchunk] = True
-                    have += 1
-                    if have == res_frags:
-                        if tries == 0:
-                            self.pacer.sample(last_answer - sent_at)
-                        self.stats.results += 1
-                        if sock is not self.sock:
-                            self.stats.multicast_results += 1
-                        return MessageResult(result[:rbytes].copy(), res_bits, contributors)
+        result = np.zeros(fragment_count(p.max_message, per) * per, np.uint8)
+        got = np.zeros(fragment_count(p.max_message, per), bool)
+        res = {"bits": -1, "frags": -1, "have": 0, "contributors": 0}
 
-    # -- the engine --------------------------------------------------------------------------------
+        def accept(_i: int, h: Header, n: int) -> bool | None:
+            """A result fragment: stored (True once the whole result is here), or None if it is not one."""
+            if h.type != PacketType.DAR_RESULT or h.round != rounds[0] or h.width != 8 or \
+                    n < HEADER_BYTES + DAR_PREFIX_BYTES:
+                return None
+            rb, rf = struct.unpack_from(">II", self._rbuf, HEADER_BYTES)
+            rbytes = -(-rb // 8)
+            if rbytes > p.max_message or rf != fragment_count(rbytes, per) or h.chunk >= rf or \
+                    h.elems != min(per, rbytes - h.chunk * per) or n != HEADER_BYTES + DAR_PREFIX_BYTES + h.elems or \
+                    (res["bits"] >= 0 and (rb, rf) != (res["bits"], res["frags"])):
+                return None
+            res.update(bits=rb, frags=rf, contributors=h.contributors)
+            if not got[h.chunk]:
+                off = HEADER_BYTES + DAR_PREFIX_BYTES
+                result[h.chunk * per: h.chunk * per + h.elems] = np.frombuffer(self._rbuf, np.uint8, h.elems, off)
+                got[h.chunk] = True
+                res["have"] += 1
+            return res["have"] == res["frags"]
+
+        def resend(_i: int) -> range | list[int]:
+            # Fragment k is answered with result fragments k, k + frags, ...: once the result's fragment
+            # count is known, only the fragments whose answers are missing are sent again.
+            if res["frags"] < 0:
+                return range(frags)
+            return sorted({j % frags for j in np.flatnonzero(~got[:res["frags"]]).tolist()})
+
+        lost = self._exchange(slots, rounds, [rows], accept, resend, tensor=tensor, policy=self.cfg.loss_policy,
+                              what=f"dar job {p.job} and this key")
+        if lost[0]:
+            return MessageResult(np.zeros(0, np.uint8), 0, 0)
+        return MessageResult(result[: -(-res["bits"] // 8)].copy(), res["bits"], res["contributors"])
+
     def run_uses(self, typ: PacketType, payloads: np.ndarray, *, tensor: int = 0,
                  policy: LossPolicy | None = None) -> UseResults:
         """Send one use per payload row (the next uses of the pool) and collect their answers."""
         cfg, p = self.cfg, self.cfg.params
-        policy = policy or cfg.loss_policy
         count = payloads.shape[0]
         is_norm = typ == PacketType.NORM
-        # Assign slots and rounds in use order.
-        slots = np.empty(count, np.int64)
-        rounds = np.empty(count, np.int64)
-        for i in range(count):
-            s = (self.next_use + i) % p.slots
-            slots[i] = s
-            rounds[i] = self.slot_round[s]
-            self.slot_round[s] = next_round(self.slot_round[s])
-        self.next_use += count
+        slots, rounds = self._claim_uses(count)
         hdr = p.request_fields(typ, worker=cfg.worker, slot=slots, round=rounds, tensor=tensor, chunk=np.arange(count))
         pkts = build_batch(hdr, payloads)
-        rows = [pkts[i].tobytes() for i in range(count)]
+        rows = [[pkts[i].tobytes()] for i in range(count)]
         k = 1 if is_norm else p.elems
         signed = p.kind == "uncompressed"
         # int32 holds every 8/16-bit sum and the uncompressed job's int32 sums; only THC's 32-bit results
@@ -383,6 +318,57 @@ class Transport:
         sums = np.zeros(count if is_norm else (count, k), np.int64 if wide else np.int32)
         contrib = np.zeros(count, np.int64)
         bitmap = np.zeros(count, np.int64)
+        want_type = PacketType.NORM_RESULT if is_norm else PacketType.RESULT
+        rdt = np.dtype({8: ">u1", 16: ">u2", 32: ">u4"}[32 if is_norm else p.result_bits])
+
+        def accept(i: int, h: Header, n: int) -> bool | None:
+            """The result of use i (True), or None if the datagram is not that result."""
+            if h.type != want_type or h.round != rounds[i] or h.elems != k or \
+                    n != HEADER_BYTES + k * rdt.itemsize or h.width != rdt.itemsize * 8:
+                return None
+            vals = np.frombuffer(self._rbuf, rdt, count=k, offset=HEADER_BYTES)
+            if is_norm:
+                sums[i] = int(vals[0])
+            elif signed:
+                sums[i] = vals.astype(np.uint32).view(np.int32)
+            else:
+                sums[i] = vals
+            contrib[i] = h.contributors
+            bitmap[i] = h.bitmap
+            return True
+
+        lost = self._exchange(slots, rounds, rows, accept, lambda _i: (0,), tensor=tensor,
+                              policy=policy or cfg.loss_policy, what=f"job {p.job}, this key and table")
+        return UseResults(sums, contrib, bitmap, lost)
+
+    # -- the engine --------------------------------------------------------------------------------
+    def _claim_uses(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """The slots and rounds of the next ``count`` uses of the pool, in use order."""
+        slots = np.empty(count, np.int64)
+        rounds = np.empty(count, np.int64)
+        for i in range(count):
+            s = (self.next_use + i) % self.cfg.params.slots
+            slots[i] = s
+            rounds[i] = self.slot_round[s]
+            self.slot_round[s] = next_round(self.slot_round[s])
+        self.next_use += count
+        return slots, rounds
+
+    def _exchange(self, slots: np.ndarray, rounds: np.ndarray, packets: list[list[bytes]],
+                  accept: Callable[[int, Header, int], bool | None], resend: Callable[[int], Iterable[int]], *,
+                  tensor: int, policy: LossPolicy, what: str) -> np.ndarray:
+        """The one retransmission engine: run uses until each is answered or lost; return which were lost.
+
+        Use i (slot ``slots[i]``, round ``rounds[i]``) sends the datagrams ``packets[i]``; at most the
+        pacer's window of uses is in flight. A use whose timeout expires sends ``packets[i][k]`` again for
+        each k of ``resend(i)`` (under ``zero-fill``, after ``retries`` tries it is lost instead). Every
+        datagram of this job for a pending use's slot goes to ``accept(i, header, length)``: True, the use
+        is complete; False, accepted but not complete; None, not an answer of the use (counted as
+        unexpected). A straggler notice for the use's round marks it lost. Nothing at all for
+        ``deadline`` seconds raises AggregatorUnreachable (``what`` names the job in the message).
+        """
+        cfg, p = self.cfg, self.cfg.params
+        count = len(slots)
         lost = np.zeros(count, bool)
         done = np.zeros(count, bool)
         sent_at = np.zeros(count)
@@ -390,17 +376,16 @@ class Transport:
         by_slot: dict[int, int] = {}
         base = nxt = 0
         last_answer = time.monotonic()
-        want_type = PacketType.NORM_RESULT if is_norm else PacketType.RESULT
-        rdt = np.dtype({8: ">u1", 16: ">u2", 32: ">u4"}[32 if is_norm else p.result_bits])
         while base < count:
             now = time.monotonic()
             window = self.pacer.window()
             while nxt < count and nxt < base + window:
                 by_slot[int(slots[nxt])] = nxt
-                self._send(rows[nxt], int(slots[nxt]))
+                for data in packets[nxt]:
+                    self._send(data, int(slots[nxt]))
                 sent_at[nxt] = now
                 nxt += 1
-            # Retransmit or give up what timed out (each retry of a use doubles its timeout).
+            # Resend or give up what timed out (every expiry backs the timeout off, see pacing.py).
             rto = self.pacer.rto()
             due = base + np.flatnonzero(~done[base:nxt] & (now - sent_at[base:nxt] >= rto))
             if due.size:
@@ -410,15 +395,16 @@ class Transport:
                     self._finish_lost(i, int(slots[i]), tensor, done, lost, by_slot)
                     continue
                 tries[i] += 1
-                self.stats.retransmissions += 1
-                self._send(rows[i], int(slots[i]))
+                for k in resend(i):
+                    self.stats.retransmissions += 1
+                    self._send(packets[i][k], int(slots[i]))
                 sent_at[i] = now
             if now - last_answer > cfg.deadline:
                 host, port = cfg.aggregator
                 raise AggregatorUnreachable(
                     f"worker {cfg.worker}: no answer from the aggregator at {host}:{port} (shards={cfg.shards}) "
-                    f"for {cfg.deadline:.1f} s: is thc-aggregator running there with job {p.job}, this key and "
-                    f"table, and are the job's other workers sending?")
+                    f"for {cfg.deadline:.1f} s: is thc-aggregator running there with {what}, and are the job's "
+                    f"other workers sending?")
             while base < count and done[base]:
                 base += 1
             if base >= count or (nxt < count and nxt < base + self.pacer.window()):
@@ -427,10 +413,10 @@ class Transport:
             rto = self.pacer.rto()
             wait = max(0.0, min(rto, float(pending.min()) + rto - now) if pending.size else 0.0)
             ready, _, _ = select.select(self.socks, [], [], max(wait, 0.0005))
-            for s in ready:
+            for sock in ready:
                 while True:
                     try:
-                        nbytes = self._receive(s)
+                        nbytes = self._receive(sock)
                     except BlockingIOError:
                         break
                     if nbytes < 0:
@@ -439,48 +425,34 @@ class Transport:
                         self.stats.unexpected += 1
                         continue
                     h = Header.unpack_from(self._rbuf)
-                    ftyp, fjob, fkey, fcontrib, fslot, fround = h.type, h.job, h.key, h.contributors, h.slot, h.round
-                    felems, fwidth, fbitmap = h.elems, h.width, h.bitmap
-                    if fjob != p.job or fkey != p.key:
-                        self.stats.unexpected += 1
-                        continue
-                    i = by_slot.get(fslot)
+                    i = by_slot.get(h.slot) if h.job == p.job and h.key == p.key else None
                     if i is None or done[i]:
                         self.stats.unexpected += 1
                         continue
                     last_answer = time.monotonic()
-                    if ftyp == PacketType.STRAGGLER:
+                    if h.type == PacketType.STRAGGLER:
                         ours = int(rounds[i])
-                        if not serial_newer(fround, ours):
+                        if not serial_newer(h.round, ours):
                             self.stats.unexpected += 1
                             continue
                         self.stats.stragglers += 1
                         if cfg.on_straggler is not None:
-                            cfg.on_straggler(fslot, ours, fround)
-                        self._finish_lost(i, fslot, tensor, done, lost, by_slot)
+                            cfg.on_straggler(h.slot, ours, h.round)
+                        self._finish_lost(i, h.slot, tensor, done, lost, by_slot)
                         continue
-                    if ftyp != want_type or fround != rounds[i] or felems != k or \
-                            nbytes != HEADER_BYTES + k * rdt.itemsize or fwidth != rdt.itemsize * 8:
+                    verdict = accept(i, h, nbytes)
+                    if verdict is None:
                         self.stats.unexpected += 1
-                        continue
-                    vals = np.frombuffer(self._rbuf, rdt, count=k, offset=HEADER_BYTES)
-                    if is_norm:
-                        sums[i] = int(vals[0])
-                    elif signed:
-                        sums[i] = vals.astype(np.uint32).view(np.int32)
-                    else:
-                        sums[i] = vals
-                    contrib[i] = fcontrib
-                    bitmap[i] = fbitmap
-                    done[i] = True
-                    if tries[i] == 0:
-                        self.pacer.sample(last_answer - sent_at[i])
-                    self.pacer.answered()
-                    by_slot.pop(fslot, None)
-                    self.stats.results += 1
-                    if s is not self.sock:
-                        self.stats.multicast_results += 1
-        return UseResults(sums, contrib, bitmap, lost)
+                    elif verdict:
+                        done[i] = True
+                        if tries[i] == 0:
+                            self.pacer.sample(last_answer - sent_at[i])
+                        self.pacer.answered()
+                        by_slot.pop(h.slot, None)
+                        self.stats.results += 1
+                        if sock is not self.sock:
+                            self.stats.multicast_results += 1
+        return lost
 
     def _finish_lost(self, i: int, slot: int, tensor: int, done: np.ndarray, lost: np.ndarray,
                      by_slot: dict[int, int]) -> None:
