@@ -146,8 +146,8 @@ def job_config(args: argparse.Namespace, world: int) -> JobConfig:
 
 def hook_config(args: argparse.Namespace, job: JobConfig, host: str, port: int) -> DDPHookConfig:
     bind = args.bind_host or ("127.0.0.1" if host.startswith("127.") else route_address(host))
-    return DDPHookConfig(aggregator=(host, port), job=job, shards=args.shards, loss_policy=args.loss_policy,
-                         timeout=args.timeout, deadline=args.deadline, multicast=args.multicast, bind_host=bind,
+    return DDPHookConfig(job, aggregator=(host, port), shards=args.shards, loss_policy=args.loss_policy,
+                         timeout=args.timeout, deadline=args.deadline, bind_host=bind,
                          error_feedback=not args.no_error_feedback, overlap=not args.no_overlap, seed=args.seed)
 
 

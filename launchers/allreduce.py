@@ -62,9 +62,9 @@ def _worker(spec: RunSpec, worker: int, barrier: mp.synchronize.Barrier) -> None
     """Body of one worker process: allreduce, then save what it sent and received."""
     import torch
 
+    from worker_lib.allreduce import THCAllreduce
     from worker_lib.thc import THCConfig
     from worker_lib.transport import Transport, TransportConfig
-    from worker_lib.transport_thc import THCAllreduce
 
     die_with_parent()
     torch.set_num_threads(1)
@@ -89,7 +89,7 @@ def _worker(spec: RunSpec, worker: int, barrier: mp.synchronize.Barrier) -> None
                  sums=np.stack([r.sums for r in results]), contributors=np.stack([r.contributors for r in results]),
                  lost=np.stack([r.lost for r in results]), bitmap=np.stack([r.bitmap for r in results]),
                  average=last.average.numpy(), max_norm=last.max_norm,
-                 seconds=seconds, stats=json.dumps(last.stats.as_dict()))
+                 seconds=seconds, stats=json.dumps(tr.stats.as_dict()))
     except Exception as exc:  # reported by the parent
         (out / f"worker{worker}.err").write_text(f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from exc

@@ -4,7 +4,9 @@ This is the network of the simulations: every worker's norm and chunks become re
 (``worker_lib.wire``), go through ``aggregator.engine.Aggregator`` (the state machine that
 ``thc-aggregator`` serves and the P4 programs are held to), and the packets it emits come back.
 Uses of the slot pool follow docs/protocol.md: use u takes slot u mod S with round (u div S) mod 2^16,
-the norm stage of a tensor is one use and each chunk of K indices another.
+the norm stage of a tensor is one use and each chunk of K indices another. ``SimulatedNetwork.step``
+is the exchange of all n workers for ``worker_lib.allreduce.thc_allreduce``, the allreduce path the
+real workers run over UDP.
 
 Loss follows the transport's ``zero-fill`` policy without retransmission (the paper's methodology:
 a packet is dropped with a fixed probability): an upstream DATA packet that is lost never reaches
@@ -25,6 +27,7 @@ import numpy as np
 
 from aggregator.engine import Aggregator
 from worker_lib.job import JobConfig
+from worker_lib.transport import UseResults
 from worker_lib.wire.bits import pack_bits
 from worker_lib.wire.layout import HEADER_BYTES, PacketType
 from worker_lib.wire.protocol import use_slot_round
@@ -48,15 +51,6 @@ class LinkLoss:
         for name, p in (("up", self.up), ("down", self.down)):
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"drop probability {name} must lie in [0, 1), got {p}")
-
-
-@dataclass
-class ChunkResults:
-    """What each worker received for one tensor: sums, contributor counts, and what it lost."""
-
-    sums: np.ndarray  # (workers, chunks, K) int64, 0 where lost
-    contributors: np.ndarray  # (workers, chunks) int64, 0 where lost
-    lost: np.ndarray  # (workers, chunks) bool
 
 
 @dataclass
@@ -138,8 +132,9 @@ class SimulatedNetwork:
         finally:
             self.loss = saved
 
-    def data_stage(self, indices: np.ndarray, late: np.ndarray, tensor: int = 0) -> ChunkResults:
-        """Send each worker's (padded-length) indices chunk by chunk; collect what comes back."""
+    def data_stage(self, indices: np.ndarray, late: np.ndarray, tensor: int = 0) -> list[UseResults]:
+        """Send each worker's (padded-length) indices chunk by chunk; collect what comes back to each
+        worker: (chunks, K) int64 sums, contributors and bitmaps (0 where lost) and the lost chunks."""
         job = self.job
         n, length = indices.shape
         k = job.elems
@@ -147,8 +142,8 @@ class SimulatedNetwork:
             raise ValueError(f"a tensor of {length} indices is not a whole number of {k}-index chunks")
         chunks = length // k
         packed = pack_bits(indices.reshape(n * chunks, k), job.bits).reshape(n, chunks, -1)
-        res = ChunkResults(np.zeros((n, chunks, k), np.int64), np.zeros((n, chunks), np.int64),
-                           np.ones((n, chunks), bool))
+        res = [UseResults(np.zeros((chunks, k), np.int64), np.zeros(chunks, np.int64), np.zeros(chunks, np.int64),
+                          np.ones(chunks, bool)) for _ in range(n)]
         for c in range(chunks):
             slot, rnd = self._next_use()
             order = self._order(late)
@@ -162,14 +157,35 @@ class SimulatedNetwork:
             heads = job.request_fields(PacketType.DATA, worker=order, slot=slot, round=rnd, tensor=tensor, chunk=c)
             inbox = self._run(build_batch(heads, packed[order, c]), order)
             for w in range(n):
+                r = res[w]
                 for h, payload in inbox[w]:
-                    if h["type"] != PacketType.RESULT or not res.lost[w, c]:
+                    if h["type"] != PacketType.RESULT or not r.lost[c]:
                         continue
-                    res.sums[w, c] = decode_sums(payload, job.result_bits, k)
-                    res.contributors[w, c] = int(h["contributors"])
-                    res.lost[w, c] = False
-            done = res.contributors[:, c]
-            if done.any():
-                self.stats.contributors.append(int(done.max()))
-        self.stats.lost_chunks += int(res.lost.sum())
+                    r.sums[c] = decode_sums(payload, job.result_bits, k)
+                    r.contributors[c] = int(h["contributors"])
+                    r.bitmap[c] = int(h["bitmap"])
+                    r.lost[c] = False
+            done = max(int(r.contributors[c]) for r in res)
+            if done:
+                self.stats.contributors.append(done)
+        self.stats.lost_chunks += sum(int(r.lost.sum()) for r in res)
         return res
+
+    def step(self, late: np.ndarray) -> StepExchange:
+        """This network as the exchange of one allreduce (``worker_lib.allreduce.thc_allreduce``) in which
+        the ``late`` workers send after the others."""
+        return StepExchange(self, late)
+
+
+@dataclass
+class StepExchange:
+    """The simulated network as the allreduce's exchange for all n workers of one step."""
+
+    net: SimulatedNetwork
+    late: np.ndarray  #: (workers,) bool: these send after everyone else
+
+    def exchange_norms(self, norms: np.ndarray, *, tensor: int) -> np.ndarray:
+        return self.net.norm_stage(norms, self.late, tensor)
+
+    def exchange_indices(self, indices: np.ndarray, *, tensor: int) -> list[UseResults]:
+        return self.net.data_stage(indices, self.late, tensor)

@@ -23,6 +23,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from sim.data import Dataset, load_dataset, shard_indices
 from sim.models import make_model
 from sim.network import LinkLoss, NetworkStats, SimulatedNetwork
+from worker_lib.allreduce import thc_allreduce
 from worker_lib.job import JobConfig
 from worker_lib.thc import THCConfig, THCWorker, next_pow2
 
@@ -147,7 +148,7 @@ def _zero_blocks(vec: torch.Tensor, k: int, p: float, rng: np.random.Generator) 
 
 
 class _THCExchange:
-    """THC through the reference aggregator: norm stage, chunks, zero-fill of what was lost."""
+    """THC through the reference aggregator, on the real workers' allreduce path (worker_lib.allreduce)."""
 
     def __init__(self, cfg: SimConfig, length: int) -> None:
         thc = THCConfig(bits=cfg.bits, granularity=cfg.granularity, p=cfg.p, error_feedback=True)
@@ -158,25 +159,10 @@ class _THCExchange:
                         granularity=cfg.granularity, p=cfg.p, slots=cfg.slots, elems=k)
         loss = LinkLoss(cfg.drop_up, cfg.drop_down) if cfg.loss_model == "protocol" else LinkLoss()
         self.net = SimulatedNetwork(job, loss, seed=cfg.seed + 101)
-        self.k = k
 
     def average(self, grads: list[torch.Tensor], late: np.ndarray, step: int) -> list[torch.Tensor]:
-        norms = np.array([w.begin(g, 0, step) for w, g in zip(self.workers, grads, strict=True)])
-        max_norms = self.net.norm_stage(norms, late)
-        indices = np.stack([w.compress(0, float(m)).indices.numpy() for w, m in
-                            zip(self.workers, max_norms, strict=True)])
-        res = self.net.data_stage(indices, late)
-        out = []
-        for w, worker in enumerate(self.workers):
-            sums = torch.from_numpy(res.sums[w].reshape(-1))
-            counts = res.contributors[w]
-            if not res.lost[w].any() and (counts == counts[0]).all():
-                out.append(worker.finish(0, sums, int(counts[0])))
-            else:
-                per = torch.from_numpy(np.repeat(counts, self.k))
-                lost = torch.from_numpy(np.repeat(res.lost[w], self.k))
-                out.append(worker.finish(0, sums, per, lost=lost))
-        return out
+        results = thc_allreduce(self.workers, self.net.step(late), grads, tensor=0, step=step)
+        return [r.average for r in results]
 
 
 class _CodecExchange:

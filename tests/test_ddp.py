@@ -181,7 +181,7 @@ class OneWorkerJobs:
         if not self.jobs[kind]:
             raise RuntimeError("OneWorkerJobs: no fresh job left; raise PER_KIND")
         job = self.jobs[kind].pop()
-        cfg = DDPHookConfig(aggregator=("127.0.0.1", self.port), job=job, deadline=5.0, **kw)
+        cfg = DDPHookConfig(job, aggregator=("127.0.0.1", self.port), deadline=5.0, **kw)
         return THCHookState(cfg, rank=0, world_size=1)
 
 
@@ -265,15 +265,22 @@ def test_unreachable_aggregator_raises_not_hangs() -> None:
 
 def test_config_validation_and_defaults() -> None:
     """Clear errors for bad settings; the default job is the one thc-aggregator serves without options."""
-    with pytest.raises(ValueError, match="thc or uncompressed"):
-        DDPHookConfig(job=JobConfig(workers=2, kind="dar", codec="natural", length=100, max_message=400))
+    with pytest.raises(ValueError, match="kind must be"):
+        DDPHookConfig(JobConfig(kind="fp8"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="kind must be 'thc' or 'uncompressed' for the DDP hook"):
+        DDPHookConfig(JobConfig(kind="dar", codec="topk10", length=100, max_message=1000))
     with pytest.raises(ValueError, match="loss_policy"):
         DDPHookConfig(loss_policy="maybe")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="port"):
         DDPHookConfig(aggregator=("127.0.0.1", 0))
-    with pytest.raises(ValueError, match="workers=3, but the world has 4 ranks"):
-        DDPHookConfig(job=JobConfig(workers=3)).job_config(4)
-    assert DDPHookConfig().job_config(3) == JobConfig(workers=3)  # thc-aggregator's default job
+    with pytest.raises(ValueError):
+        DDPHookConfig(JobConfig(bits=0))
+    job = JobConfig(workers=3)
+    assert DDPHookConfig(JobConfig(workers=3)).job.table_id == job.table_id  # the hook's table is the aggregator's
+    assert DDPHookConfig().job == JobConfig()  # by default, thc-aggregator's default job
+    # The job is described once: a world size that is not its worker count is refused, clearly.
+    with pytest.raises(ValueError, match="job 1 has 4 workers but the world size is 3"):
+        THCHookState(DDPHookConfig(), rank=0, world_size=3)
 
 
 def test_example_help_and_without_torchrun() -> None:

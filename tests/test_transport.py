@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from aggregator.server import AggregatorServer, ServerConfig
+from worker_lib.allreduce import THCAllreduce
 from worker_lib.job import JobConfig
 from worker_lib.thc import SignKey, THCCodec, THCConfig, lookup_sum
 from worker_lib.transport import AggregatorUnreachable, Transport, TransportConfig, UseResults
-from worker_lib.transport_thc import THCAllreduce
 from worker_lib.wire import Header
 from worker_lib.wire.protocol import Counter
 

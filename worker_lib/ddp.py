@@ -26,7 +26,8 @@ Why it is built this way:
 
 Usage::
 
-    cfg = DDPHookConfig(aggregator=("10.0.0.1", 9451))              # thc-aggregator's default job
+    job = JobConfig(job=1, workers=4)                               # the job thc-aggregator serves
+    cfg = DDPHookConfig(job, aggregator=("10.0.0.1", 9451))
     model = DistributedDataParallel(net)
     state = register_thc_hook(model, cfg)                           # rank/world from torch.distributed
     ...train as usual...
@@ -51,6 +52,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from worker_lib.allreduce import TransportExchange, check_table, thc_allreduce
 from worker_lib.job import JobConfig
 from worker_lib.thc import THCConfig, THCWorker
 from worker_lib.transport import AggregatorUnreachable, LossPolicy, Transport, TransportConfig
@@ -64,30 +66,29 @@ _INT32_MAX = (1 << 31) - 1
 
 @dataclass(frozen=True)
 class DDPHookConfig:
-    """Settings of the DDP hook: where the aggregator is, which job, loss policy, timeouts.
+    """Settings of the DDP hook: the job, where its aggregator is, the loss policy and timeouts.
 
-    ``job`` is the job the aggregator serves, the same ``JobConfig`` it is configured with (kind
-    ``thc`` or ``uncompressed``; its ``workers`` must be the world size). None: the job ``thc-aggregator``
-    serves when started without one (``JobConfig(workers=world_size)``).
+    ``job`` is the job exactly as the aggregator serves it (kind ``thc`` or ``uncompressed``; its
+    ``workers`` must be the world size, its ``multicast`` group, if any, is where results are
+    received); THC's knobs are the job's.
     """
 
+    job: JobConfig = field(default_factory=JobConfig)
     aggregator: tuple[str, int] = ("127.0.0.1", 9451)
-    job: JobConfig | None = None
     shards: int = 1  #: aggregator shards (ports PORT..PORT+shards-1)
     loss_policy: LossPolicy = "reliable"
     timeout: float = 0.05  #: seconds before a use is retransmitted
     retries: int = 3  #: zero-fill: retransmissions before a chunk is given up
     deadline: float = 10.0  #: seconds without any answer before AggregatorUnreachable
     window: int | None = None  #: uses in flight (default: all slots)
-    multicast: str | None = None  #: GROUP:PORT the aggregator multicasts results to (thc-aggregator --multicast)
     bind_host: str = "127.0.0.1"  #: local address of the worker's socket (its interface towards the aggregator)
     error_feedback: bool = True
     overlap: bool = True  #: exchange on a background thread (overlaps backward); False: inside the hook
     seed: int = 0  #: seeds the stochastic quantization (mixed with the rank)
 
     def __post_init__(self) -> None:
-        if self.job is not None and self.job.kind not in ("thc", "uncompressed"):
-            raise ValueError(f"the DDP hook sends thc or uncompressed jobs; job {self.job.job} is {self.job.kind!r}")
+        if self.job.kind not in ("thc", "uncompressed"):
+            raise ValueError(f"the job's kind must be 'thc' or 'uncompressed' for the DDP hook, got {self.job.kind!r}")
         if self.loss_policy not in ("reliable", "zero-fill"):
             raise ValueError(f"loss_policy must be 'reliable' or 'zero-fill', got {self.loss_policy!r}")
         host, port = self.aggregator
@@ -95,22 +96,24 @@ class DDPHookConfig:
             raise ValueError(f"aggregator must be (host, port) with a port in 1..65535, got {self.aggregator!r}")
         if self.timeout <= 0 or self.deadline <= 0:
             raise ValueError("timeout and deadline must be positive seconds")
+        if self.job.kind == "thc":
+            self.thc_config()  # validates p with THC's own messages
 
-    def job_config(self, workers: int) -> JobConfig:
-        """The job for ``workers`` ranks (a clear error when ``job`` was made for another world size)."""
-        if self.job is None:
-            return JobConfig(workers=workers)
-        if self.job.workers != workers:
-            raise ValueError(f"job {self.job.job} has workers={self.job.workers}, but the world has {workers} "
-                             f"ranks: configure the job (and the aggregator) for the world size")
-        return self.job
+    def thc_config(self) -> THCConfig:
+        """THC's codec settings, the job's (error feedback is done by the hook, per parameter)."""
+        j = self.job
+        return THCConfig(bits=j.bits, granularity=j.granularity, p=j.p, error_feedback=False)
 
-    def transport_config(self, rank: int, workers: int) -> TransportConfig:
-        return TransportConfig(self.job_config(workers), worker=rank, aggregator=(self.aggregator[0],
-                               int(self.aggregator[1])), shards=self.shards, loss_policy=self.loss_policy,
-                               timeout=self.timeout, retries=self.retries, deadline=self.deadline,
-                               window=self.window, seed=self.seed, bind_host=self.bind_host,
-                               multicast=self.multicast)
+    def transport_config(self, rank: int, world_size: int) -> TransportConfig:
+        """The transport of ``rank``; refuses a job whose worker count is not the world size."""
+        if self.job.workers != world_size:
+            raise ValueError(f"job {self.job.job} has {self.job.workers} workers but the world size is "
+                             f"{world_size}: the aggregator would wait for workers that never send "
+                             f"(or refuse ranks beyond the job's)")
+        return TransportConfig(self.job, worker=rank, aggregator=(self.aggregator[0], int(self.aggregator[1])),
+                               shards=self.shards, loss_policy=self.loss_policy, timeout=self.timeout,
+                               retries=self.retries, deadline=self.deadline, window=self.window, seed=self.seed,
+                               bind_host=self.bind_host, multicast=self.job.multicast)
 
 
 @dataclass
@@ -121,7 +124,7 @@ class HookStats:
     coordinates: int = 0
     encode_s: float = 0.0  #: error feedback, norm, RHT, quantization (or fixed-point scaling)
     network_s: float = 0.0  #: norm stage and data exchange with the aggregator (incl. waiting for peers)
-    decode_s: float = 0.0  #: decoding the average, error update, copy back into the bucket
+    decode_s: float = 0.0  #: the rest: decoding the average, error bookkeeping, copy back into the bucket
     lost_chunks: int = 0
     bytes_sent: int = 0  #: payload bytes of DATA packets (headers excluded)
 
@@ -151,14 +154,13 @@ class THCHookState:
     process_group: dist.ProcessGroup | None = None
     stats: HookStats = field(default_factory=HookStats)
     step: int = field(init=False, default=0)
-    job: JobConfig = field(init=False)  #: the job, for this world size
     transport: Transport = field(init=False)
+    _exchange: TransportExchange = field(init=False)
     _workers: dict[str, THCWorker] = field(init=False, default_factory=dict)
     _bucket_errors: dict[int, _BucketError] = field(init=False, default_factory=dict)
     _param_errors: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
     _executor: concurrent.futures.ThreadPoolExecutor | None = field(init=False, default=None)
     _failed: BaseException | None = field(init=False, default=None)
-    _t_mark: float = field(init=False, default=0.0)  #: when the last exchange ended (decode time starts)
 
     def __post_init__(self) -> None:
         if self.rank is None or self.world_size is None:
@@ -166,12 +168,12 @@ class THCHookState:
                 raise RuntimeError("THCHookState needs rank and world_size, or an initialized torch.distributed")
             self.rank = dist.get_rank(self.process_group) if self.rank is None else self.rank
             self.world_size = dist.get_world_size(self.process_group) if self.world_size is None else self.world_size
-        self.job = self.config.job_config(self.world_size)
         self.transport = Transport(self.config.transport_config(self.rank, self.world_size))
+        self._exchange = TransportExchange(self.transport)
         if self.config.overlap:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"thc-hook{self.rank}")
-        log.info("rank %d: THC hook (%s) to aggregator %s:%d job %d from %s", self.rank, self.job.kind,
-                 *self.config.aggregator, self.job.job, self.transport.address)
+        log.info("rank %d: THC hook (%s) to aggregator %s:%d job %d from %s", self.rank, self.config.job.kind,
+                 *self.config.aggregator, self.config.job.job, self.transport.address)
 
     # -- life cycle ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -219,11 +221,10 @@ class THCHookState:
         key = str(device)
         w = self._workers.get(key)
         if w is None:
-            job = self.job
-            # error feedback is the hook's (per parameter), not the codec's
-            thc = THCConfig(bits=job.bits, granularity=job.granularity, p=job.p, error_feedback=False)
-            w = self._workers[key] = THCWorker(thc, job=job.job, worker=self.rank, device=device,
-                                               seed=self.config.seed * 7919 + self.rank)
+            cfg = self.config
+            w = self._workers[key] = THCWorker(cfg.thc_config(), job=cfg.job.job, worker=self.rank, device=device,
+                                               seed=cfg.seed * 7919 + self.rank)
+            check_table(w, cfg.job)
         return w
 
     def error_of(self, param: torch.Tensor) -> torch.Tensor | None:
@@ -253,15 +254,16 @@ class THCHookState:
 
     def _average(self, buffer: torch.Tensor, index: int, params: tuple[int, ...], sizes: list[int], step: int,
                  last: bool) -> None:
-        st = self.stats
+        cfg, st = self.config, self.stats
         t0 = time.perf_counter()
+        busy = st.encode_s + st.network_s
         flat = buffer.detach().reshape(-1)
-        if self.job.kind == "uncompressed":
-            avg = self._average_fixed_point(flat.to(torch.float32), index, t0)
+        if cfg.job.kind == "uncompressed":
+            avg = self._average_fixed_point(flat.to(torch.float32), index)
         else:
-            avg = self._average_thc(flat, index, params, sizes, step, t0)
+            avg = self._average_thc(flat, index, params, sizes, step)
         buffer.copy_(avg.reshape(buffer.shape).to(buffer.dtype))
-        st.decode_s += time.perf_counter() - self._t_mark
+        st.decode_s += time.perf_counter() - t0 - (st.encode_s + st.network_s - busy)  # the rest of the bucket's time
         st.buckets += 1
         st.coordinates += flat.numel()
         if last:
@@ -269,43 +271,24 @@ class THCHookState:
             for gone in [i for i in self._bucket_errors if i > index]:
                 del self._bucket_errors[gone]
 
-    def _average_thc(self, flat: torch.Tensor, index: int, params: tuple[int, ...], sizes: list[int], step: int,
-                     t0: float) -> torch.Tensor:
-        cfg, st, tr = self.config, self.stats, self.transport
-        p = tr.cfg.params
-        worker = self._worker_for(flat.device)
-        x = flat.to(torch.float32)
-        err = None
-        if cfg.error_feedback:
-            err = self.bucket_errors(index, params, sizes, flat.device)
-            x = x + err
-        norm = worker.begin(x, index, step)
-        t1 = time.perf_counter()
-        max_norm, _ = tr.exchange_norm(norm, tensor=index)
-        t2 = time.perf_counter()
-        enc = worker.compress(index, max(max_norm, norm))
-        if err is not None:
-            worker.residual(index, x, out=err)  # e <- x - RHT^-1(X_i), with this step's rotation (Algorithm 3)
-        idx = np.asarray(enc.indices.cpu().numpy(), np.uint8)
-        t3 = time.perf_counter()
-        res = tr.exchange_indices(idx, tensor=index)
-        t4 = time.perf_counter()
-        st.encode_s += (t1 - t0) + (t3 - t2)
-        st.network_s += (t2 - t1) + (t4 - t3)
+    def _average_thc(self, flat: torch.Tensor, index: int, params: tuple[int, ...], sizes: list[int],
+                     step: int) -> torch.Tensor:
+        """THC on the allreduce path shared with thc-allreduce and the simulations (worker_lib.allreduce),
+        with the hook's per-parameter error feedback."""
+        cfg, st, p = self.config, self.stats, self.transport.cfg.params
+        err = self.bucket_errors(index, params, sizes, flat.device) if cfg.error_feedback else None
+        (res,) = thc_allreduce([self._worker_for(flat.device)], self._exchange, [flat.to(torch.float32)],
+                               tensor=index, step=step, errors=None if err is None else [err])
+        st.encode_s += res.encode_s
+        st.network_s += res.network_s
         st.bytes_sent += res.sums.shape[0] * p.elems * p.bits // 8
-        self._t_mark = t4
-        d = idx.size
-        sums = torch.from_numpy(res.sums.reshape(-1)[:d])
-        if not res.lost.any() and (res.contributors == res.contributors[0]).all():
-            return worker.finish(index, sums, int(res.contributors[0]))
         st.lost_chunks += int(res.lost.sum())
-        counts = torch.from_numpy(np.repeat(res.contributors, p.elems)[:d])
-        lost = torch.from_numpy(np.repeat(res.lost, p.elems)[:d])
-        return worker.finish(index, sums, counts, lost=lost)
+        return res.average
 
-    def _average_fixed_point(self, x: torch.Tensor, index: int, t0: float) -> torch.Tensor:
+    def _average_fixed_point(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """int32 fixed point scaled by the job's max |value|: n workers' sums cannot overflow."""
         st, tr = self.stats, self.transport
+        t0 = time.perf_counter()
         n = tr.cfg.params.workers
         amax = float(x.abs().max()) if x.numel() else 0.0
         if not math.isfinite(amax):
@@ -322,7 +305,6 @@ class THCHookState:
         st.encode_s += (t1 - t0) + (t3 - t2)
         st.network_s += (t2 - t1) + (t4 - t3)
         st.bytes_sent += res.sums.shape[0] * tr.cfg.params.elems * 4
-        self._t_mark = t4
         d = q.size
         counts = np.repeat(res.contributors, tr.cfg.params.elems)[:d]
         st.lost_chunks += int(res.lost.sum())

@@ -12,7 +12,7 @@ means:
 
 A straggler notice (the slot has moved on past our round: its result is gone) marks the use lost,
 is counted, and calls ``on_straggler``. ``exchange_indices`` / ``exchange_norm`` are the low-level
-calls (numpy only, no torch); ``THCAllreduce.allreduce`` adds THC's norm stage, compression and
+calls (numpy only, no torch); ``worker_lib.allreduce`` adds THC's norm stage, compression and
 decoding on top. ``exchange_message`` carries one whole codec message of a ``dar`` job
 (decompress-aggregate-recompress, software aggregator only) as fragments and reassembles the
 aggregator's re-encoded average. Both run on one engine, ``_exchange``: a window of uses in flight,
@@ -29,7 +29,7 @@ Usage::
 
     params = JobConfig(job=1, key=0x54484321, workers=4, bits=4)
     tr = Transport(TransportConfig(params, worker=0, aggregator=("127.0.0.1", 9451)))
-    ar = THCAllreduce(tr, THCConfig())
+    ar = THCAllreduce(tr, THCConfig())               # worker_lib.allreduce
     avg = ar.allreduce(grad, tensor=0, step=s).average
 """
 

@@ -1,0 +1,153 @@
+"""The one THC allreduce path: norm stage, rotation and quantization, index exchange, decoding.
+
+``thc_allreduce`` writes THC's steps once (the paper's Algorithm 3) for a *group* of local workers
+and takes the exchange as a parameter:
+
+1. each worker adds its error feedback and rotates (``THCWorker.begin``), giving its norm;
+2. ``exchange.exchange_norms``: the norm stage; every worker learns the job's max norm;
+3. each worker quantizes its rotated vector with that max norm (the same scale on every worker);
+4. ``exchange.exchange_indices``: the chunks of indices go to the aggregator; the integer sums,
+   contributor counts and losses come back, one ``UseResults`` per worker;
+5. each worker decodes its average; a lost chunk is zero in the rotated domain and chunks with
+   different contributor counts are scaled each by its own count.
+
+The exchanges are
+
+- ``TransportExchange``: one worker's UDP ``Transport`` (``thc-allreduce``, ``THCAllreduce``, the DDP
+  hook in ``worker_lib.ddp``);
+- ``sim.network.StepExchange``: all n workers of a simulation, in step, through the in-process
+  reference aggregator.
+
+Error feedback is either the ``THCWorker``'s own (per tensor id, ``THCConfig.error_feedback``) or
+kept by the caller (``errors``: the DDP hook keeps one per parameter, so that it survives DDP's
+bucket rebuilds); the decoded numbers do not depend on the exchange.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from worker_lib.job import JobConfig
+from worker_lib.thc import THCConfig, THCWorker
+from worker_lib.transport import Transport, UseResults
+
+
+class Exchange(Protocol):
+    """Carries the norm and index uses of a group of local workers to the aggregator and back."""
+
+    def exchange_norms(self, norms: np.ndarray, *, tensor: int) -> np.ndarray:
+        """The norm stage: (workers,) norms in, (workers,) job max norms as each worker learned it."""
+        ...
+
+    def exchange_indices(self, indices: np.ndarray, *, tensor: int) -> list[UseResults]:
+        """(workers, L) uint8 indices in, each worker's (chunks, K) sums and per-chunk outcome back."""
+        ...
+
+
+@dataclass
+class AllreduceResult:
+    """One worker's allreduce: the decoded average and what the network gave back."""
+
+    average: torch.Tensor
+    max_norm: float
+    sums: np.ndarray  #: (chunks, K) integer sums per chunk (0 rows where lost)
+    contributors: np.ndarray  #: (chunks,) contributors per chunk (0 where lost)
+    bitmap: np.ndarray  #: (chunks,) contributor bitmap per chunk
+    lost: np.ndarray  #: (chunks,) bool, chunks taken as zero
+    indices: np.ndarray  #: this worker's indices over the padded transformed length (uint8)
+    encode_s: float = 0.0  #: seconds in error feedback, rotation and quantization (the group's)
+    network_s: float = 0.0  #: seconds in the two exchanges, waiting for peers included
+
+
+def thc_allreduce(workers: Sequence[THCWorker], exchange: Exchange, grads: Sequence[torch.Tensor], *,
+                  tensor: int = 0, step: int = 0,
+                  errors: Sequence[torch.Tensor] | None = None) -> list[AllreduceResult]:
+    """Average ``grads`` (one per local worker) over the job's workers through ``exchange``.
+
+    ``errors``: caller-kept error feedback, one flat float32 tensor per worker, added to the gradient
+    before the rotation and overwritten with x - RHT^-1(X_i) after quantization (the workers' own
+    error feedback should then be off).
+    """
+    t0 = time.perf_counter()
+    xs = list(grads) if errors is None else [g + e for g, e in zip(grads, errors, strict=True)]
+    norms = np.array([w.begin(x, tensor, step) for w, x in zip(workers, xs, strict=True)])
+    t1 = time.perf_counter()
+    max_norms = exchange.exchange_norms(norms, tensor=tensor)
+    t2 = time.perf_counter()
+    indices = []
+    for k, (w, m) in enumerate(zip(workers, max_norms, strict=True)):
+        enc = w.compress(tensor, float(m))  # the job's max norm: the same scale on every worker
+        if errors is not None:
+            w.residual(tensor, xs[k], out=errors[k])  # with this step's rotation (Algorithm 3)
+        indices.append(np.asarray(enc.indices.cpu().numpy(), np.uint8))
+    stacked = np.stack(indices)  # a copy: the codec reuses its index buffer at the next step
+    t3 = time.perf_counter()
+    results = exchange.exchange_indices(stacked, tensor=tensor)
+    t4 = time.perf_counter()
+    encode_s, network_s = (t1 - t0) + (t3 - t2), (t2 - t1) + (t4 - t3)
+    return [AllreduceResult(decode(w, tensor, r, idx.size), float(m), r.sums, r.contributors, r.bitmap, r.lost, idx,
+                            encode_s, network_s)
+            for w, r, idx, m in zip(workers, results, stacked, max_norms, strict=True)]
+
+
+def decode(worker: THCWorker, tensor: int, res: UseResults, length: int) -> torch.Tensor:
+    """The average from one worker's sums over ``length`` padded coordinates (``res.sums`` is (chunks, K)).
+
+    When every chunk came back with the same contributor count, one count scales them all; otherwise
+    each coordinate gets its chunk's count and lost chunks are zero in the rotated domain.
+    """
+    sums = torch.from_numpy(res.sums.reshape(-1)[:length])
+    counts = res.contributors
+    if not res.lost.any() and (counts == counts[0]).all():
+        return worker.finish(tensor, sums, int(counts[0]))
+    k = res.sums.shape[1]
+    per_coord = torch.from_numpy(np.repeat(counts, k)[:length])
+    lost = torch.from_numpy(np.repeat(res.lost, k)[:length])
+    return worker.finish(tensor, sums, per_coord, lost=lost)
+
+
+def check_table(worker: THCWorker, job: JobConfig) -> None:
+    """Refuse a worker whose THC table is not the job's: the aggregator would drop every packet."""
+    table_id = worker.codec.table.table_id()
+    if job.kind == "thc" and table_id != job.table_id:
+        raise ValueError(f"this worker's table id {table_id:#06x} is not the job's {job.table_id:#06x}: "
+                         "the aggregator would refuse every packet")
+
+
+class TransportExchange:
+    """One worker's UDP ``Transport`` as the exchange of a group of one."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+
+    def exchange_norms(self, norms: np.ndarray, *, tensor: int) -> np.ndarray:
+        (norm,) = norms
+        return np.array([self.transport.exchange_norm(float(norm), tensor=tensor)[0]])
+
+    def exchange_indices(self, indices: np.ndarray, *, tensor: int) -> list[UseResults]:
+        (own,) = indices
+        return [self.transport.exchange_indices(own, tensor=tensor)]
+
+
+class THCAllreduce:
+    """``allreduce(tensor)`` for one worker of a THC job over UDP (error feedback kept per tensor id)."""
+
+    def __init__(self, transport: Transport, config: THCConfig | None = None, *, seed: int | None = None) -> None:
+        self.transport = transport
+        self.exchange = TransportExchange(transport)
+        p = transport.cfg.params
+        self.config = config or THCConfig(bits=p.bits, granularity=p.granularity)
+        if (self.config.bits, self.config.granularity) != (p.bits, p.granularity):
+            raise ValueError("the THC config does not match the job's bits and granularity")
+        self.worker = THCWorker(self.config, job=p.job, worker=transport.cfg.worker, seed=seed)
+        check_table(self.worker, p)
+
+    def allreduce(self, grad: torch.Tensor, *, tensor: int = 0, step: int = 0) -> AllreduceResult:
+        """Average ``grad`` over the job's workers through the aggregator."""
+        return thc_allreduce([self.worker], self.exchange, [grad], tensor=tensor, step=step)[0]
