@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scapy.layers.inet import IP, UDP
 
+from worker_lib.job import JobConfig
 from worker_lib.thc import pack_indices, unpack_indices
 from worker_lib.wire import (
     FIELDS,
@@ -161,3 +162,25 @@ def test_pack_bits_rows_are_packed_like_single_payloads(width: int) -> None:
         for r in range(5):
             assert packed[r].tobytes() == pack_bits(rows[r], width).tobytes()
         assert np.array_equal(unpack_bits(packed, width, count), rows)
+
+
+def _crc32_bitwise(data: bytes) -> int:
+    """CRC-32 (IEEE 802.3, reflected, polynomial 0xEDB88320), bit by bit: independent of zlib."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0xEDB88320 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def test_table_id_follows_the_documented_recipe() -> None:
+    """docs/protocol.md, "Table id": the low 16 bits of CRC-32 of the text [b, g, [T0, ..., T(2^b-1)]]; its
+    worked example, and the ids jobs really carry, from a CRC written here bit by bit."""
+    assert _crc32_bitwise(b"[2, 3, [0, 1, 2, 3]]") & 0xFFFF == 0x095C
+    assert JobConfig(workers=1, bits=2, granularity=3, table=(0, 1, 2, 3), elems=8).table_id == 0x095C
+    for cfg in (JobConfig(workers=4), JobConfig(workers=2, bits=3, granularity=20, p=1 / 64, elems=16)):
+        values = ", ".join(str(int(v)) for v in cfg.values())
+        text = f"[{cfg.bits}, {cfg.granularity}, [{values}]]".encode()
+        assert cfg.table_id == _crc32_bitwise(text) & 0xFFFF
+    assert JobConfig(workers=2, kind="uncompressed", elems=8).table_id == 0

@@ -67,7 +67,7 @@ FIELDS: tuple[Field, ...] = (
                      "7 DAR_RESULT"),
     Field("job", 16, "job id; selects the job's configuration and registers"),
     Field("key", 32, "the job's shared secret; a packet with another key is dropped"),
-    Field("table_id", 16, "id of the THC lookup table (LookupTable.table_id()); 0 for uncompressed jobs"),
+    Field("table_id", 16, "id of the THC lookup table (\"Table id\" below); 0 for uncompressed and dar jobs"),
     Field("worker", 8, "sender's worker id, 0..n-1 (echoed in results)"),
     Field("contributors", 8, "results: number of workers summed; 0 in requests"),
     Field("slot", 16, "aggregator slot (agtr_idx), 0..S-1"),
