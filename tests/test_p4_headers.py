@@ -78,7 +78,7 @@ def test_generator_follows_a_changed_layout(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_check_mode_detects_a_stale_file(tmp_path) -> None:
-    """``gen_headers.py --check`` fails on an edited file and passes on a fresh one."""
+    """``python -m p4gen.headers --check`` fails on an edited file and passes on a fresh one."""
     out = tmp_path / "h.p4"
     assert gen.main(["--output", str(out)]) == 0
     assert gen.main(["--check", "--output", str(out)]) == 0

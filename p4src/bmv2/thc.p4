@@ -177,7 +177,7 @@ control ThcVerifyChecksum(inout thc_headers_t hdr, inout thc_metadata_t meta) {
 
 control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                    inout standard_metadata_t standard_metadata) {
-    // Counter indices are aggregator.state.Counter's; ELEMENTS counts accepted DATA packets here
+    // Counter indices are worker_lib.wire.protocol.Counter's; ELEMENTS counts accepted DATA packets here
     // (the control plane multiplies by K).
     counter(THC_NUM_COUNTERS, CounterType.packets) thc_stats;
 

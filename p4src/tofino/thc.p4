@@ -208,9 +208,9 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                    in ingress_intrinsic_metadata_from_parser_t ig_prsr_md,
                    inout ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md,
                    inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
-    // Counters: each is updated from one place per pass. thc_stats uses aggregator.state.Counter's
+    // Counters: each is updated from one place per pass. thc_stats uses worker_lib.wire.protocol.Counter's
     // indices for the outcomes counted there (pass 1); RX (pass 1), ACCEPTED, ELEMENTS and COMPLETED
-    // (pass 2) have their own counters (aggregator/p4rt/bfrt.py maps them back to the Counter names).
+    // (pass 2) have their own counters (aggregator/bfrt.py maps them back to the Counter names).
     Counter<bit<64>, bit<32>>(THC_NUM_COUNTERS, CounterType_t.PACKETS) thc_stats;
     Counter<bit<64>, bit<32>>(1, CounterType_t.PACKETS) thc_rx;
     Counter<bit<64>, bit<32>>(2, CounterType_t.PACKETS) thc_accepted;   // [0] NORM, [1] DATA
