@@ -60,9 +60,10 @@ INGRESS_REGISTERS: Mapping[str, tuple[str, ...]] = MappingProxyType({
 EGRESS_REGISTERS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "worker_ip": ("f1",), "worker_port_mac_hi": ("f1",), "worker_mac_lo": ("f1",),
 })
-# Tables that match ternary on Tofino: the lookups live in TCAM (an exact-match table needs a hash unit
-# of its own, and a stage has 8), so their entries carry masks (all ones: an exact match) and a priority.
-TERNARY_TABLE_PREFIX = "lookup_"
+# Tables that match ternary on Tofino: the elements' lookups (``elem_<e>.lookup``) live in TCAM (an
+# exact-match table needs a hash unit of its own, and a stage has 8), so their entries carry masks (all
+# ones: an exact match) and a priority.
+TERNARY_TABLE_SUFFIX = ".lookup"
 STATS_MARK = "THC_STATS "
 
 
@@ -140,9 +141,10 @@ def _key_bits(prog: TofinoProgram, name: str) -> int:
 
 
 def bfrt_table_call(prog: TofinoProgram, entry: LogicalEntry) -> str:
-    """One ``add_with_<action>`` call of bfrt_python for a logical entry of the ingress."""
+    """One ``add_with_<action>`` call of bfrt_python for a logical entry of the ingress (the table by its
+    path below the ingress, ``elem_3.lookup``; the action by its own name, ``value``)."""
     args = []
-    ternary = entry.table.startswith(TERNARY_TABLE_PREFIX)
+    ternary = entry.table.endswith(TERNARY_TABLE_SUFFIX)
     for m in entry.match:
         name = _short(m.field)
         args.append(f"{name}={m.value:#x}")
@@ -153,7 +155,7 @@ def bfrt_table_call(prog: TofinoProgram, entry: LogicalEntry) -> str:
     if ternary:
         args.append("MATCH_PRIORITY=0")  # the entries of a lookup table never overlap
     args += [f"{name}={value:#x}" for name, value in entry.params]
-    return f"ing.{entry.table}.add_with_{entry.action}({', '.join(args)})"
+    return f"ing.{entry.table}.add_with_{entry.action.rsplit('.', 1)[-1]}({', '.join(args)})"
 
 
 def bfrt_group_calls(group: MulticastGroup, node_base: int) -> list[str]:

@@ -115,9 +115,15 @@ class P4Geometry:
             "header thc_result_h {", *res, "}",
         ])
 
-    def lookup_apply(self) -> str:
-        """Apply every element's lookup table, in element order."""
-        return "\n".join(f"lookup_{e}.apply();" for e in range(self.elems))
+    @staticmethod
+    def element_instance(e: int) -> str:
+        """The name of element ``e``'s instance of the per-element control (``elem_3``): its lookup table
+        is ``<ingress>.elem_3.lookup`` for the control planes (aggregator.switch.entries.element_table)."""
+        return f"elem_{e}"
+
+    def element_instances(self, control: str) -> str:
+        """One instantiation of the per-element ``control`` per element, in element order."""
+        return "\n".join(f"{control}() {self.element_instance(e)};" for e in range(self.elems))
 
     @classmethod
     def add_arguments(cls, ap: argparse.ArgumentParser) -> None:

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Render the Tofino (TNA) THC program p4src/tofino/thc.p4 from its template for a given geometry.
 
-Why generated: P4 has no loop over header fields, tables or registers, and the program needs one
-b-bit field per element of the DATA payload, one looked-up value and one sum per element, one lookup
-table per element (a table is applied at most once per pass) and one sum register per element (a
-register is accessed by at most one RegisterAction per pass on Tofino). Everything else lives in the
-hand-written template p4src/tofino/thc.p4.in; only the lines at its ``@...@`` markers come from here.
+Why generated: P4 has no loop over header fields or control instances, and the program needs one
+b-bit field per element of the DATA payload, one sum per element, and one instance per element of the
+per-element control ThcElement, which holds the element's lookup table (a table is applied at most once
+per pass) and its sum register (a register is accessed by at most one RegisterAction per pass on
+Tofino). That control, and everything else, is P4 in the hand-written template p4src/tofino/thc.p4.in;
+only the lines at its ``@...@`` markers come from here (with the validation TCAM rows, each commented).
 
 The checked-in p4src/tofino/thc.p4 is rendered with the defaults of ``TofinoGeometry`` (K = 24 indices of 4
 bits, 8-bit sums, 4096 slots, 8 jobs, recirculation port 68); tests/test_p4_tofino.py checks that it is
@@ -31,9 +32,8 @@ from worker_lib.wire.layout import HEADER_BYTES, VERSION, PacketType
 TEMPLATE = P4SRC / "tofino" / "thc.p4.in"
 OUTPUT = P4SRC / "tofino" / "thc.p4"
 INCLUDE_DIR = P4SRC / "include"
-MARKERS = ("@CONFIG@", "@PAYLOAD_HEADERS@", "@SUM_REGISTERS@", "@LOOKUP_TABLES@", "@SUM_APPLY@",
-           "@LOOKUP_APPLY@", "@WORKER_BIT_ENTRIES@", "@VALIDATE_KEYS@", "@VALIDATE_ENTRIES@",
-           "@VALIDATE_SIZE@")
+MARKERS = ("@CONFIG@", "@PAYLOAD_HEADERS@", "@ELEMENT_INSTANCES@", "@ELEMENT_APPLY@",
+           "@WORKER_BIT_ENTRIES@", "@VALIDATE_KEYS@", "@VALIDATE_ENTRIES@", "@VALIDATE_SIZE@")
 
 # One stateful ALU per sum; one Tofino 1 pipe has 12 stages x 4, and the state needs 9 besides the sums
 # (pass 1 slot, tag, seen bitmap, count; pass 2 norm, result bitmap; egress worker ip, port + mac hi,
@@ -71,45 +71,6 @@ def _config(g: TofinoGeometry) -> str:
 
 def _payload_headers(g: TofinoGeometry) -> str:
     return g.payload_headers()
-
-
-def _sum_registers(g: TofinoGeometry) -> str:
-    # One RegisterAction per register (see the template): overwrite for OP_SET, else add; the new value
-    # is the sum (a retained read adds the 0 that its missed lookups put in the field).
-    out = []
-    for e in range(g.elems):
-        t = "bit<THC_RESULT_BITS>"
-        out += [
-            f"Register<{t}, bit<32>>(THC_BANKS) sums_{e};",
-            f"RegisterAction<{t}, bit<32>, {t}>(sums_{e}) sum_{e} = {{",
-            f"    void apply(inout {t} v, out {t} rv) {{",
-            "        if (hdr.bridge.op == OP_SET) {",
-            f"            v = hdr.result.s{e};",
-            "        } else {",
-            f"            v = v + hdr.result.s{e};",
-            "        }",
-            "        rv = v;",
-            "    }",
-            "};",
-        ]
-    return "\n".join(out)
-
-
-def _lookup_tables(g: TofinoGeometry) -> str:
-    out = []
-    for e in range(g.elems):
-        out += [
-            f"action value_{e}(bit<THC_RESULT_BITS> v) {{",
-            f"    hdr.result.s{e} = v;",
-            "}",
-            f"table lookup_{e} {{",
-            f"    key = {{ hdr.bridge.job_index: ternary; hdr.data.i{e}: ternary; }}",
-            f"    actions = {{ value_{e}; }}",
-            f"    size = {g.jobs << g.bits};",
-            f"    default_action = value_{e}(0);",
-            "}",
-        ]
-    return "\n".join(out)
 
 
 def _worker_bit_entries() -> str:
@@ -241,8 +202,10 @@ def _validate_keys() -> str:
     return "\n".join(f"{expr}: ternary;" for _, expr in VALIDATE_KEYS)
 
 
-def _sum_apply(g: TofinoGeometry) -> str:
-    return "\n".join(f"hdr.result.s{e} = sum_{e}.execute(bank);" for e in range(g.elems))
+def _element_apply(g: TofinoGeometry) -> str:
+    """Each element's ThcElement: job row, its index, the operation, the bank, its sum (RESULT field)."""
+    return "\n".join(f"{g.element_instance(e)}.apply(hdr.bridge.job_index, hdr.data.i{e}, hdr.bridge.op, bank, "
+                     f"hdr.result.s{e});" for e in range(g.elems))
 
 
 def render(geometry: TofinoGeometry | None = None, template: str | None = None) -> str:
@@ -250,8 +213,7 @@ def render(geometry: TofinoGeometry | None = None, template: str | None = None) 
     g = geometry or TofinoGeometry()
     text = TEMPLATE.read_text() if template is None else template
     parts = {"@CONFIG@": _config(g), "@PAYLOAD_HEADERS@": _payload_headers(g),
-             "@SUM_REGISTERS@": _sum_registers(g), "@LOOKUP_TABLES@": _lookup_tables(g),
-             "@SUM_APPLY@": _sum_apply(g), "@LOOKUP_APPLY@": g.lookup_apply(),
+             "@ELEMENT_INSTANCES@": g.element_instances("ThcElement"), "@ELEMENT_APPLY@": _element_apply(g),
              "@WORKER_BIT_ENTRIES@": _worker_bit_entries(), "@VALIDATE_KEYS@": _validate_keys(),
              "@VALIDATE_ENTRIES@": _validate_entries(g),
              "@VALIDATE_SIZE@": f"size = {len(validation_entries(validation_checks(g)))};"}

@@ -10,6 +10,7 @@ where p4c exists).
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -226,9 +227,10 @@ def _job(**kw) -> JobConfig:
 
 
 def _p4id(kind: str, name: str) -> int:
-    """Id of a table/action from the P4Info protobuf directly (not through the code under test)."""
+    """Id of a table/action from the P4Info protobuf directly (not through the code under test): by its
+    full name or its last component."""
     for obj in getattr(P4INFO, kind):
-        if obj.preamble.name.split(".")[-1] == name:
+        if name in (obj.preamble.name, obj.preamble.name.split(".")[-1]):
             return obj.preamble.id
     raise KeyError(name)
 
@@ -241,7 +243,7 @@ def _params(te: p4runtime_pb2.TableEntry) -> dict[str, int]:
 
 def test_geometry_is_read_from_the_p4info() -> None:
     """K, b and the result width come from the P4Info (the checked-in program's defaults)."""
-    lookups = [t for t in P4INFO.tables if t.preamble.name.split(".")[-1].startswith("lookup_")]
+    lookups = [t for t in P4INFO.tables if re.fullmatch(r"ThcIngress\.elem_\d+\.lookup", t.preamble.name)]
     assert GEOM.elems == len(lookups) == 32
     assert GEOM.bits == 4 and GEOM.result_bits == 8
 
@@ -262,9 +264,9 @@ def test_job_writes_exact_entries(fake_switch) -> None:
     for u in ups[:-2]:
         te = u.entity.table_entry
         name = next(t.preamble.name for t in P4INFO.tables if t.preamble.id == te.table_id)
-        e = int(name.rsplit("_", 1)[1])
+        e = int(re.fullmatch(r"ThcIngress\.elem_(\d+)\.lookup", name).group(1))
         job_row, index = (int.from_bytes(m.exact.value, "big") for m in te.match)
-        assert te.action.action.action_id == _p4id("actions", f"value_{e}")
+        assert te.action.action.action_id == _p4id("actions", f"ThcIngress.elem_{e}.value")
         seen[(e, index)] = (job_row, _params(te)["v"])
     assert seen == {(e, i): (place.job_index, table[i]) for e in range(GEOM.elems) for i in range(16)}
     grp = ups[-2].entity.packet_replication_engine_entry.multicast_group_entry

@@ -20,15 +20,19 @@ def test_checked_in_program_is_current() -> None:
 
 @pytest.mark.parametrize(("elems", "bits", "rbits"), [(8, 2, 8), (32, 4, 8), (64, 4, 16), (16, 8, 16)])
 def test_payload_headers_follow_the_geometry(elems: int, bits: int, rbits: int) -> None:
-    """K index fields of b bits (MSB-first order i0..), K sums; K lookup tables, each applied once."""
+    """K index fields of b bits (MSB-first order i0..), K sums; K instances of ThcElement (the one lookup
+    table), instance e applied once, to index e and sum e."""
     text = gen.render(gen.Geometry(elems=elems, bits=bits, result_bits=rbits))
     data = parse_header(text, "thc_data_h")
     assert data == [(f"i{e}", bits) for e in range(elems)]
     res = re.search(r"header thc_result_h \{(.*?)\}", text, re.S).group(1)
     assert re.findall(r"bit<THC_RESULT_BITS> (s\d+);", res) == [f"s{e}" for e in range(elems)]
     assert f"#define THC_RESULT_BITS {rbits}" in text
-    assert sorted(int(x) for x in re.findall(r"lookup_(\d+)\.apply\(\)", text)) == list(range(elems))
-    assert len(re.findall(r"^\s+table lookup_\d+ \{", text, re.M)) == elems
+    assert [int(x) for x in re.findall(r"ThcElement\(\) elem_(\d+);", text)] == list(range(elems))
+    applied = re.findall(r"elem_(\d+)\.apply\(meta\.job_index, hdr\.data\.i(\d+), meta\.sum_base \+ (\d+), "
+                         r"meta\.keep, meta\.add, hdr\.result\.s(\d+)\);", text)
+    assert applied == [(str(e),) * 4 for e in range(elems)]
+    assert len(re.findall(r"^\s+table \w+ \{", text, re.M)) == 4  # thc_jobs, lookup, ipv4_lpm, thc_service
     assert "@" not in re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S).replace("@name", "")
 
 

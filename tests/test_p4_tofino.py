@@ -90,16 +90,21 @@ def test_program_uses_the_shared_headers_and_parser() -> None:
 
 @pytest.mark.parametrize(("elems", "bits", "rbits"), [(8, 2, 8), (24, 4, 8), (16, 8, 16), (24, 4, 16)])
 def test_payload_headers_follow_the_geometry(elems: int, bits: int, rbits: int) -> None:
-    """K index fields of b bits (i0.. in wire order); K sums; K lookup tables and K sum registers, each
-    table applied once and each register with its own RegisterAction."""
+    """K index fields of b bits (i0.. in wire order); K sums; K instances of ThcElement (one lookup table
+    and one sum register with its own RegisterAction each), instance e applied once, to index e and sum e."""
     text = gen.render(gen.TofinoGeometry(elems=elems, bits=bits, result_bits=rbits))
     assert parse_header(text, "thc_data_h") == [(f"i{e}", bits) for e in range(elems)]
     body = re.search(r"header thc_result_h \{(.*?)\}", text, re.S).group(1)
     assert re.findall(r"bit<THC_RESULT_BITS> (\w+);", body) == [f"s{e}" for e in range(elems)]
     assert f"#define THC_RESULT_BITS {rbits}" in text
     code = _strip_comments(text)
-    assert sorted(int(x) for x in re.findall(r"lookup_(\d+)\.apply\(\)", code)) == list(range(elems))
-    assert sorted(int(x) for x in re.findall(r"\) sums_(\d+);", code)) == list(range(elems))
+    assert [int(x) for x in re.findall(r"ThcElement\(\) elem_(\d+);", code)] == list(range(elems))
+    applied = re.findall(r"elem_(\d+)\.apply\(hdr\.bridge\.job_index, hdr\.data\.i(\d+), hdr\.bridge\.op, bank, "
+                         r"hdr\.result\.s(\d+)\);", code)
+    assert applied == [(str(e), str(e), str(e)) for e in range(elems)]
+    element = code[code.index("control ThcElement("):code.index("control ThcIngress(")]
+    assert len(re.findall(r"\bRegister<", element)) == len(re.findall(r"\bRegisterAction<", element)) == 1
+    assert element.count("lookup.apply();") == 1
     assert not re.search(r"@[A-Z_]+@", code), "a template marker was left unfilled"
 
 
@@ -159,7 +164,9 @@ def test_p4test_accepts_other_geometries(tmp_path: Path, elems: int, rbits: int)
 def test_p4test_rejects_a_broken_program(tmp_path: Path) -> None:
     """The front-end test can fail: a use of an undeclared name in the program is an error."""
     out = tmp_path / "thc.p4"
-    out.write_text(PROGRAM.read_text().replace("hdr.result.s0 = v;", "hdr.result.s0 = v + thc_no_such_name;"))
+    text = PROGRAM.read_text()
+    assert "        sum = v;\n" in text
+    out.write_text(text.replace("        sum = v;\n", "        sum = v + thc_no_such_name;\n"))
     shutil.copy(P4_DIR / "tofino" / "parser.p4", tmp_path / "parser.p4")
     proc = run_p4test(out)
     assert proc.returncode != 0 and "thc_no_such_name" in proc.stderr
@@ -250,7 +257,7 @@ def test_bf_p4c_compiles_for_tofino1(tmp_path: Path) -> None:
     job = JobConfig(job=7, workers=3, threshold=2, elems=gen.TofinoGeometry().elems, result_bits=8, slots=16)
     plan = TofinoPlan(jobs=(TofinoJob(job, (1, 2, 3)),), services=(("10.0.0.100", "02:00:00:00:01:00"),),
                       routes=(("10.0.1.0/24", "00:00:00:00:00:07", 7),))
-    calls = re.findall(r"^ing\.(\w+)\.add_with_(\w+)\((.*)\)$", bfrt_load_script(plan), re.M)
+    calls = re.findall(r"^ing\.([\w.]+)\.add_with_(\w+)\((.*)\)$", bfrt_load_script(plan), re.M)
     assert calls
     suffix = {"Exact": [""], "LPM": ["", "_p_length"], "Ternary": ["", "_mask"]}
     for table, action, args in calls:
@@ -258,7 +265,8 @@ def test_bf_p4c_compiles_for_tofino1(tmp_path: Path) -> None:
         keys = {k["name"].rsplit(".", 1)[-1] + sfx for k in t["key"] if not k["name"].startswith("$")
                 for sfx in suffix[k["match_type"]]}
         keys |= {k["name"][1:] for k in t["key"] if k["name"] == "$MATCH_PRIORITY"}
-        spec = next(a for a in t["action_specs"] if a["name"] == f"ThcIngress.{action}")
+        control = f"ThcIngress.{table.rpartition('.')[0]}".rstrip(".")  # an element's actions are its control's
+        spec = next(a for a in t["action_specs"] if a["name"] == f"{control}.{action}")
         given = {kw.split("=", 1)[0].strip() for kw in args.split(",")}
         assert given == keys | {p["name"] for p in spec["data"]}, (table, action)
     for ctl, regs in (("ThcIngress", INGRESS_REGISTERS), ("ThcEgress", EGRESS_REGISTERS)):

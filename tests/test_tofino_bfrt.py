@@ -43,7 +43,7 @@ from worker_lib.wire.protocol import Counter
 
 TOFINO_PROGRAM = P4_DIR / "tofino" / "thc.p4"
 GEN = 0x1234
-CALL = re.compile(r"^ing\.(\w+)\.add_with_(\w+)\((.*)\)$")
+CALL = re.compile(r"^ing\.([\w.]+)\.add_with_(\w+)\((.*)\)$")
 
 
 def sample_job(elems: int = 24) -> JobConfig:
@@ -68,10 +68,9 @@ def logical(calls: list[tuple[str, str, dict[str, int]]], bits: int) -> list[tup
     every key's mask is all ones (an exact match) and the priority is 0 (entries never overlap)."""
     out = []
     for table, action, kw in calls:
-        if table.startswith("lookup_"):
+        if table.endswith(".lookup"):
             kw = dict(kw)
-            e = table.split("_", 1)[1]
-            assert (kw.pop("job_index_mask"), kw.pop(f"i{e}_mask"), kw.pop("MATCH_PRIORITY")) == (
+            assert (kw.pop("job_index_mask"), kw.pop("index_mask"), kw.pop("MATCH_PRIORITY")) == (
                 0xFFFF, (1 << bits) - 1, 0), (table, kw)
         out.append((table, action, kw))
     return out
@@ -82,7 +81,7 @@ def expected_job_calls(cfg: JobConfig, job_index: int, slot_base: int, mcast_grp
     """The lookup and job entries of a job, from its table values and configuration (bfrt key names)."""
     values = [int(v) for v in cfg.values()]
     assert len(values) == 1 << cfg.bits
-    out = [(f"lookup_{e}", f"value_{e}", {"job_index": job_index, f"i{e}": i, "v": v})
+    out = [(f"elem_{e}.lookup", "value", {"job_index": job_index, "index": i, "v": v})
            for e in range(cfg.elems) for i, v in enumerate(values)]
     out.append(("thc_jobs", "job_config", {
         "job": cfg.job, "key": cfg.key, "table_id": cfg.table_id, "workers": cfg.workers,
@@ -101,15 +100,19 @@ def test_reset_covers_every_register_of_the_program() -> None:
     """The load script clears every Register declared in p4src/tofino/thc.p4 (ingress and egress), with the
     data fields of its cell type, and nothing else."""
     text = TOFINO_PROGRAM.read_text()
-    ingress, egress = text.split("control ThcEgress(", 1)
+    element, rest = text.split("control ThcIngress(", 1)
+    element = element[element.index("control ThcElement("):]
+    ingress, egress = rest.split("control ThcEgress(", 1)
     ing_regs = set(re.findall(r"^\s*Register<[^\n]*?>\(\w+\) (\w+);", ingress, re.M))
     egr_regs = set(re.findall(r"^\s*Register<[^\n]*?>\(\w+\) (\w+);", egress, re.M))
-    assert {r for r in ing_regs if not r.startswith("sums_")} == set(INGRESS_REGISTERS)
+    assert ing_regs == set(INGRESS_REGISTERS)
     assert egr_regs == set(EGRESS_REGISTERS)
     script = bfrt_load_script(TofinoPlan())
     cleared = set(re.findall(r"^(?:ing|egr)\.(\w+)\.clear\(\)$", script, re.M))
-    assert cleared == ing_regs - {f"sums_{e}" for e in range(32)} | egr_regs
-    # The sums need no reset: a FRESH or NEWER packet overwrites its bank's sums (OP_SET).
+    assert cleared == ing_regs | egr_regs
+    # The sums (ThcElement's one register per instance) need no reset: a FRESH or NEWER packet
+    # overwrites its bank's sums (OP_SET).
+    assert re.findall(r"^\s*Register<[^\n]*?>\(\w+\) (\w+);", element, re.M) == ["sums"]
     # Plain cells (no struct): bfrt names the single data field f1.
     cells = set(re.findall(r"^\s*Register<([^,]+),[^\n]*?>\(\w+\) \w+;", text, re.M))
     assert cells <= {"bit<8>", "bit<16>", "bit<32>", "bit<THC_RESULT_BITS>"}, cells
@@ -137,10 +140,10 @@ def test_script_order_makes_the_job_live_last() -> None:
     script = bfrt_load_script(TofinoPlan(jobs=(TofinoJob(sample_job(), (1, 2, 3)),)), generation=GEN)
     lines = script.splitlines()
     pos = {key: next(i for i, ln in enumerate(lines) if ln.startswith(key))
-           for key in ("bfrt.port.port.add", "ing.slot_state.clear", "ing.lookup_0.", "bfrt.pre.mgid",
+           for key in ("bfrt.port.port.add", "ing.slot_state.clear", "ing.elem_0.lookup.", "bfrt.pre.mgid",
                        "ing.thc_jobs.", "bfrt.complete_operations")}
     assert list(pos.values()) == sorted(pos.values())
-    assert max(i for i, ln in enumerate(lines) if ln.startswith("ing.lookup_")) < pos["ing.thc_jobs."]
+    assert max(i for i, ln in enumerate(lines) if ln.startswith("ing.elem_")) < pos["ing.thc_jobs."]
 
 
 def test_both_targets_get_the_same_logical_entries() -> None:
@@ -168,7 +171,9 @@ def test_both_targets_get_the_same_logical_entries() -> None:
         pnames = {pid: name for name, (pid, _w) in a.params.items()}
         kw = {names[m.field_id].rsplit(".", 1)[-1]: int.from_bytes(m.exact.value, "big") for m in te.match}
         kw.update({pnames[p.param_id]: int.from_bytes(p.value, "big") for p in te.action.action.params})
-        bmv2.append((t.name.rsplit(".", 1)[-1], a.name.rsplit(".", 1)[-1], kw))
+        # Names below their control, but an element's table with its instance (elem_3.lookup).
+        table = ".".join(t.name.split(".")[-2:]) if ".elem_" in t.name else t.name.rsplit(".", 1)[-1]
+        bmv2.append((table, a.name.rsplit(".", 1)[-1], kw))
     plan = TofinoPlan(jobs=(TofinoJob(cfg, ports),), program=TofinoProgram(geometry=geometry))
     tofino = logical(parse_calls(bfrt_load_script(plan, generation=GEN)), cfg.bits)
     expected = expected_job_calls(cfg, job_index=0, slot_base=0, mcast_grp=1)
@@ -283,9 +288,12 @@ def test_script_names_exist_in_the_tofino_program() -> None:
     plan = TofinoPlan(jobs=(TofinoJob(sample_job(), (1, 2, 3)),), services=(("10.0.0.100", "02:00:00:00:01:00"),),
                       routes=(("10.0.1.0/24", "00:00:00:00:00:07", 7),))
     calls = parse_calls(bfrt_load_script(plan, generation=GEN))
-    assert {t for t, _, _ in calls} == {f"lookup_{e}" for e in range(24)} | {"thc_jobs", "thc_service", "ipv4_lpm"}
+    assert {t for t, _, _ in calls} == {f"elem_{e}.lookup" for e in range(24)} | {"thc_jobs", "thc_service", "ipv4_lpm"}
+    instances = re.findall(r"ThcElement\(\) (elem_\d+);", code)
+    assert instances == [f"elem_{e}" for e in range(24)]
     suffix = {"lpm": ["_p_length"], "ternary": ["_mask"], "exact": []}
     for table, action, kw in calls:
+        table = table.rsplit(".", 1)[-1]  # an element's table (elem_3.lookup) is ThcElement's lookup
         assert table in tables, f"no table {table} in the Tofino program"
         keys, acts = tables[table]
         assert action in acts, f"table {table} has no action {action}"
@@ -307,4 +315,4 @@ def test_cli_geometry_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert cli_main(["load", "--target", "tofino", "--job", spec, "--ports", "1,2", "--no-run",
                      "--geometry", "16,4,16,4096,8", "--output", str(out)]) == 0
     tables = {t for t, _, _ in parse_calls(out.read_text())}
-    assert tables == {f"lookup_{e}" for e in range(16)} | {"thc_jobs"}
+    assert tables == {f"elem_{e}.lookup" for e in range(16)} | {"thc_jobs"}

@@ -15,7 +15,7 @@ from pathlib import Path
 from google.protobuf import text_format
 from p4.config.v1 import p4info_pb2
 
-from aggregator.switch.entries import ProgramGeometry
+from aggregator.switch.entries import ProgramGeometry, element_action, element_table
 from aggregator.switch.errors import P4InfoError
 
 
@@ -58,8 +58,8 @@ class ActionInfo:
 
 
 class P4InfoIndex:
-    """Name -> id lookups over one P4Info. Names are the fully qualified ones (``ThcIngress.lookup_0``);
-    a unique suffix after a dot (``lookup_0``) also resolves."""
+    """Name -> id lookups over one P4Info. Names are the fully qualified ones (``ThcIngress.elem_0.lookup``);
+    a unique suffix after a dot (``elem_0.lookup``, ``thc_jobs``) also resolves."""
 
     def __init__(self, info: p4info_pb2.P4Info) -> None:
         self.info = info
@@ -116,17 +116,17 @@ class P4InfoIndex:
         return a.params[param]
 
 
-_LOOKUP = re.compile(r"(?:^|\.)lookup_(\d+)$")
+_LOOKUP = re.compile(r"(?:^|\.)elem_(\d+)\.lookup$")
 
 
 def program_geometry(idx: P4InfoIndex) -> ProgramGeometry:
     """The THC program's geometry read from its P4Info index (raises P4InfoError if it is not a THC program)."""
     elems = sorted(int(m.group(1)) for n in idx.tables if (m := _LOOKUP.search(n)))
     if not elems or elems != list(range(len(elems))):
-        raise P4InfoError("the P4Info has no lookup_0..lookup_<K-1> tables: not a THC program")
+        raise P4InfoError("the P4Info has no elem_0.lookup..elem_<K-1>.lookup tables: not a THC program")
     k = len(elems)
-    bits = idx.match_field("lookup_0", "hdr.data.i0")[1]
-    result_bits = idx.param("value_0", "v")[1]
+    bits = idx.match_field(element_table(0), "index")[1]
+    result_bits = idx.param(element_action(0), "v")[1]
     slots = idx.register("slot_gen")[1]
     jobs = idx.table("thc_jobs").size
     return ProgramGeometry(k, bits, result_bits, slots, jobs)

@@ -4,7 +4,7 @@ What it writes, all by name through the program's P4Info:
 
 - ``ipv4_lpm``: routes for plain IPv4 forwarding (hosts can ping each other);
 - ``thc_service``: the aggregator address(es) of the switch and the MAC its answers come from;
-- per job: ``lookup_<e>`` entries (job index, index i) -> T[i] for every element e of the K and every
+- per job: ``elem_<e>.lookup`` entries (job index, index i) -> T[i] for every element e of the K and every
   index of the job's table (the values of ``JobConfig.values()``, i.e. ``worker_lib.thc.solve_table``
   or the job's explicit table: nothing is hard-coded in P4), a multicast group with one replica per
   worker (switch port, rid = job_index * 32 + worker) and last the ``thc_jobs`` entry (key, table id,
@@ -40,6 +40,7 @@ from aggregator.switch.entries import (
     Placement,
     ProgramGeometry,
     check_job,
+    element_table,
     job_entries,
     new_generation,
     place_job,
@@ -275,9 +276,9 @@ class ThcSwitch:
         ups.append(up)
         n_values = 1 << self.geometry.bits
         for e in range(self.geometry.elems):
-            t = idx.table(f"lookup_{e}")
-            f_job, w_job, _ = idx.match_field(t.name, "meta.job_index")
-            f_idx, w_idx, _ = idx.match_field(t.name, f"hdr.data.i{e}")
+            t = idx.table(element_table(e))
+            f_job, w_job, _ = idx.match_field(t.name, "job_index")
+            f_idx, w_idx, _ = idx.match_field(t.name, "index")
             for i in range(n_values):
                 up = p4runtime_pb2.Update(type=DELETE)
                 te = up.entity.table_entry

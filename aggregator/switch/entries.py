@@ -36,6 +36,18 @@ class ProgramGeometry:
     jobs: int
 
 
+def element_table(e: int) -> str:
+    """Element ``e``'s lookup table, relative to the ingress: both programs write the per-element logic
+    once (control ThcElement) and instantiate it as ``elem_<e>`` (p4gen.codegen.P4Geometry.element_instance).
+    Its key is (``job_index``, ``index``): the job's row and the element's b-bit index."""
+    return f"elem_{e}.lookup"
+
+
+def element_action(e: int) -> str:
+    """Element ``e``'s lookup action, ``value(v)``: v = T[index], the job's table value."""
+    return f"elem_{e}.value"
+
+
 JOB_PARAMS = ("key", "table_id", "workers", "threshold", "slots", "slot_base", "job_index", "mcast_grp", "gen")
 
 
@@ -159,8 +171,8 @@ def job_entries(cfg: JobConfig, geometry: ProgramGeometry, ports: tuple[int, ...
     check_job(cfg, geometry, ports, target)
     values = cfg.values().tolist()
     lookups = tuple(
-        LogicalEntry(f"lookup_{e}", (Match("meta.job_index", place.job_index), Match(f"hdr.data.i{e}", i)),
-                     f"value_{e}", (("v", int(v)),))
+        LogicalEntry(element_table(e), (Match("job_index", place.job_index), Match("index", i)),
+                     element_action(e), (("v", int(v)),))
         for e in range(geometry.elems) for i, v in enumerate(values))
     group = MulticastGroup(place.mcast_grp,
                            tuple((int(port), replica_id(place.job_index, w)) for w, port in enumerate(ports)))

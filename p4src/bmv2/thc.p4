@@ -2,9 +2,11 @@
 /* THC in-network aggregation for BMv2 simple_switch_grpc (P4_16, v1model).
  *
  * TEMPLATE: p4gen/bmv2.py renders this file into p4src/bmv2/thc.p4 for a given K (elements per packet),
- * b (index width), result width and register geometry; the lines between the @...@ markers are
- * generated because P4 has no loops over header fields or tables. Edit this template, not thc.p4,
- * then run `python -m p4gen.bmv2` (tests/test_p4_program.py checks thc.p4 is current).
+ * b (index width), result width and register geometry. Only the lines at the @...@ markers are
+ * generated, because P4 has no loops over header fields or control instances: the constants, the
+ * K-field payload headers, and the K instantiations and apply lines of ThcElement. Everything else,
+ * the per-element logic included, is written here once. Edit this template, not thc.p4, then run
+ * `python -m p4gen.bmv2` (tests/test_p4_program.py checks thc.p4 is current).
  *
  * The program follows the state table of docs/protocol.md row for row; the Python reference
  * aggregator (aggregator/state.py) is the specification and tests/scenarios.py holds both to the same
@@ -15,12 +17,16 @@
  *   -> the slot (job's slot_base + slot) and its bank (round mod 2)
  *   -> FRESH/NEWER: overwrite the bank | ACTIVE: add (bitmap: duplicates add nothing)
  *      | COMPLETE: retained result back to the sender | STALE: straggler notice with the slot's round
- *   -> every index looked up in lookup_<e> (entries written by the control plane from the job's table)
- *      and added into the sums registers
+ *   -> every index looked up in its element's table elem_<e>.lookup (entries written by the control
+ *      plane from the job's table) and added into the sums register
  *   -> at the job's threshold (control-plane config, never the packet): RESULT / NORM_RESULT multicast
  *      to the job's group; egress rewrites each replica's destination to the worker address learnt from
  *      that worker's packets (like the Python server, which answers the addresses it has seen).
  * Everything else that is IPv4 is forwarded by longest prefix match (ipv4_lpm).
+ *
+ * Controls: ThcValidate (the checks and the job lookup), ThcStateTable (slot and bank registers),
+ * ThcElement (one element's lookup and sum; K instances), ThcReply (the answer's header), composed
+ * by ThcIngress; ThcEgress addresses each multicast replica.
  *
  * Register reset: BMv2's P4Runtime server cannot write registers, so every job carries a 32-bit
  * generation number in its thc_jobs entry; slot, bank and worker state written under another
@@ -137,6 +143,7 @@ const bit<8> EMIT_RETAINED = 2;   // retained result, unicast to the sender
 const bit<8> EMIT_STRAGGLER = 3;  // straggler notice, unicast to the sender
 
 struct thc_metadata_t {
+    // The job's row of thc_jobs (ThcValidate).
     bit<1> job_hit;
     bit<32> job_key;
     bit<16> job_table_id;
@@ -148,13 +155,28 @@ struct thc_metadata_t {
     bit<16> job_mcast_grp;
     bit<32> job_gen;
     mac_addr_t switch_mac;
+    bit<1> valid;           // ThcValidate: every check passed
+    // ThcStateTable's outcome: what to answer, and the bank as the answer reports it.
     bit<8> emit;
-    bit<1> fanout;
+    bit<1> update;          // the packet is added to the bank
+    bit<16> slot_round;     // the slot's round before this packet (a straggler notice reports it)
+    bit<16> bank_round;
+    bit<8> bank_count;
+    bit<32> bank_bitmap;
+    bit<32> bank_norm;
+    bit<1> fanout;          // the egress addresses each replica (multicast answers)
     // Per-element update: sum = (sum & keep) + (T[index] & add), over RESULT_BITS bits.
     bit<THC_RESULT_BITS> keep;
     bit<THC_RESULT_BITS> add;
     bit<32> sum_base;
 }
+
+// Counter indices are worker_lib.wire.protocol.Counter's; ELEMENTS counts accepted DATA packets here
+// (the control plane multiplies by K).
+counter(THC_NUM_COUNTERS, CounterType.packets) thc_stats;
+
+// The sums of every bank: K per bank, element e of bank gb at gb * K + e.
+register<bit<THC_RESULT_BITS>>(THC_BANKS * THC_K) sums;
 
 // Learnt worker addresses, written by the ingress, read by the egress for each replica.
 register<bit<32>>(THC_WORKER_ENTRIES) worker_gen;
@@ -175,12 +197,78 @@ control ThcVerifyChecksum(inout thc_headers_t hdr, inout thc_metadata_t meta) {
     apply { }
 }
 
-control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
-                   inout standard_metadata_t standard_metadata) {
-    // Counter indices are worker_lib.wire.protocol.Counter's; ELEMENTS counts accepted DATA packets here
-    // (the control plane multiplies by K).
-    counter(THC_NUM_COUNTERS, CounterType.packets) thc_stats;
+// ---------------- validation (docs/protocol.md, in order) ----------------
+// Sets meta.valid, or counts the first failing check. Looks the job up in thc_jobs on the way: one
+// entry per configured job (control plane) with its key, table id, n, threshold, slot range, index
+// (worker address rows, lookup table selector), multicast group and generation.
+control ThcValidate(in thc_headers_t hdr, inout thc_metadata_t meta) {
+    action job_config(bit<32> key, bit<16> table_id, bit<8> workers, bit<8> threshold, bit<16> slots,
+                      bit<32> slot_base, bit<16> job_index, bit<16> mcast_grp, bit<32> gen) {
+        meta.job_hit = 1;
+        meta.job_key = key;
+        meta.job_table_id = table_id;
+        meta.job_workers = workers;
+        meta.job_threshold = threshold;
+        meta.job_slots = slots;
+        meta.job_slot_base = slot_base;
+        meta.job_index = job_index;
+        meta.job_mcast_grp = mcast_grp;
+        meta.job_gen = gen;
+    }
 
+    table thc_jobs {
+        key = { hdr.thc.job: exact; }
+        actions = { job_config; NoAction; }
+        size = THC_JOBS;
+        default_action = NoAction();
+    }
+
+    apply {
+        meta.job_hit = 0;
+        meta.valid = 0;
+        bit<16> ulen = hdr.udp.length;
+        if (!hdr.thc.isValid() || ulen < UDP_HEADER_BYTES + THC_HEADER_BYTES) {
+            thc_stats.count(THC_CTR_SHORT);
+        } else if (hdr.thc.version != THC_VERSION) {
+            thc_stats.count(THC_CTR_BAD_VERSION);
+        } else if (hdr.thc.type_ != THC_TYPE_DATA && hdr.thc.type_ != THC_TYPE_NORM) {
+            thc_stats.count(THC_CTR_BAD_TYPE);
+        } else {
+            thc_jobs.apply();
+            if (meta.job_hit == 0) {
+                thc_stats.count(THC_CTR_UNKNOWN_JOB);
+            } else if (hdr.thc.key_ != meta.job_key) {
+                thc_stats.count(THC_CTR_BAD_KEY);
+            } else if (hdr.thc.table_id != meta.job_table_id) {
+                thc_stats.count(THC_CTR_BAD_TABLE);
+            } else if (hdr.thc.worker >= meta.job_workers) {
+                thc_stats.count(THC_CTR_BAD_WORKER);
+            } else if (hdr.thc.slot >= meta.job_slots) {
+                thc_stats.count(THC_CTR_BAD_SLOT);
+            } else if (hdr.thc.type_ == THC_TYPE_DATA && !(hdr.data.isValid() && hdr.thc.elems == THC_K16
+                       && hdr.thc.width == THC_INDEX_BITS && ulen == UDP_HEADER_BYTES + THC_HEADER_BYTES
+                       + THC_DATA_BYTES)) {
+                thc_stats.count(THC_CTR_BAD_FORMAT);
+            } else if (hdr.thc.type_ == THC_TYPE_NORM && !(hdr.norm.isValid() && hdr.thc.elems == 1
+                       && hdr.thc.width == 32 && ulen == UDP_HEADER_BYTES + THC_HEADER_BYTES + 4)) {
+                thc_stats.count(THC_CTR_BAD_FORMAT);
+            } else if (hdr.thc.type_ == THC_TYPE_NORM && (hdr.norm.value[31:31] == 1
+                       || hdr.norm.value[30:23] == 0xFF)) {
+                thc_stats.count(THC_CTR_BAD_NORM);
+            } else {
+                meta.valid = 1;
+            }
+        }
+    }
+}
+
+// ---------------- state table (docs/protocol.md, row by row) ----------------
+// One valid packet against its slot (the job's slot_base + slot) and bank (round mod 2):
+// FRESH/NEWER overwrites the bank | ACTIVE adds (bitmap: duplicates add nothing) | COMPLETE answers
+// the retained result | STALE answers a straggler notice. Leaves in meta what to emit, whether the
+// packet's indices are added (meta.update; the sums themselves are ThcElement's) and the bank's
+// round, contributors, bitmap and norm for the answer.
+control ThcStateTable(in thc_headers_t hdr, inout thc_metadata_t meta) {
     register<bit<32>>(THC_SLOTS) slot_gen;       // generation of the job that last used the slot
     register<bit<16>>(THC_SLOTS) slot_round;     // the slot's current (newest) round
     register<bit<32>>(THC_BANKS) bank_gen;       // generation of the bank's contents (else empty)
@@ -190,7 +278,231 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
     register<bit<32>>(THC_BANKS) bank_bitmap;
     register<bit<8>>(THC_BANKS) bank_count;
     register<bit<32>>(THC_BANKS) bank_norm;      // max of the norm bits (NORM rounds)
-    register<bit<THC_RESULT_BITS>>(THC_BANKS * THC_K) sums;
+
+    apply {
+        bit<32> g = meta.job_slot_base + (bit<32>)hdr.thc.slot;
+        bit<32> gb = (g << 1) | (bit<32>)hdr.thc.round[0:0];
+        bit<8> t = hdr.thc.type_;
+        bit<32> wbit = (bit<32>)1 << hdr.thc.worker;
+        bit<32> sgen = 0;
+        bit<16> cur = 0;
+        bit<32> bgen = 0;
+        bit<16> bround = 0;
+        bit<8> bkind = 0;
+        bit<8> bcomplete = 0;
+        bit<32> bmap = 0;
+        bit<8> bcount = 0;
+        bit<32> bnorm = 0;
+        slot_gen.read(sgen, g);
+        slot_round.read(cur, g);
+        bank_gen.read(bgen, gb);
+        bank_round.read(bround, gb);
+        bank_kind.read(bkind, gb);
+        bank_complete.read(bcomplete, gb);
+        bank_bitmap.read(bmap, gb);
+        bank_count.read(bcount, gb);
+        bank_norm.read(bnorm, gb);
+        bit<16> diff = hdr.thc.round - cur;
+        bool newer = diff != 0 && diff[15:15] == 0;  // RFC 1982 on 16 bits
+        meta.update = 0;
+        meta.emit = EMIT_NONE;
+        meta.keep = 0;
+        meta.add = 0;
+
+        if (sgen != meta.job_gen || newer) {
+            // FRESH or NEWER: overwrite bank b with this packet alone.
+            slot_gen.write(g, meta.job_gen);
+            slot_round.write(g, hdr.thc.round);
+            bgen = meta.job_gen;
+            bround = hdr.thc.round;
+            bkind = t;
+            bmap = wbit;
+            bcount = 1;
+            bcomplete = 0;
+            if (t == THC_TYPE_NORM) {
+                bnorm = hdr.norm.value;
+            }
+            meta.keep = 0;
+            meta.add = THC_RESULT_ONES;
+            meta.update = 1;
+            thc_stats.count(THC_CTR_NEW_ROUND);
+        } else if (bgen == meta.job_gen && bround == hdr.thc.round) {
+            if (bkind != t) {
+                thc_stats.count(THC_CTR_KIND_MISMATCH);
+            } else if (bcomplete == 1) {
+                // COMPLETE: duplicate or latecomer gets the retained result, adds nothing.
+                thc_stats.count(THC_CTR_RETAINED);
+                meta.emit = EMIT_RETAINED;
+                meta.keep = THC_RESULT_ONES;
+                meta.add = 0;
+            } else if ((bmap & wbit) != 0) {
+                thc_stats.count(THC_CTR_DUPLICATE);
+            } else {
+                // ACTIVE, new contributor.
+                bmap = bmap | wbit;
+                bcount = bcount + 1;
+                if (t == THC_TYPE_NORM && hdr.norm.value > bnorm) {
+                    bnorm = hdr.norm.value;
+                }
+                meta.keep = THC_RESULT_ONES;
+                meta.add = THC_RESULT_ONES;
+                meta.update = 1;
+            }
+        } else {
+            // STALE: the slot has moved on; tell the sender its current round.
+            thc_stats.count(THC_CTR_STRAGGLER);
+            meta.emit = EMIT_STRAGGLER;
+        }
+
+        if (meta.update == 1) {
+            thc_stats.count(THC_CTR_ACCEPTED);
+            if (t == THC_TYPE_DATA) {
+                thc_stats.count(THC_CTR_ELEMENTS);
+            }
+            if (bcount >= meta.job_threshold) {
+                bcomplete = 1;
+                thc_stats.count(THC_CTR_COMPLETED);
+                meta.emit = EMIT_MULTICAST;
+            }
+            bank_gen.write(gb, bgen);
+            bank_round.write(gb, bround);
+            bank_kind.write(gb, bkind);
+            bank_complete.write(gb, bcomplete);
+            bank_bitmap.write(gb, bmap);
+            bank_count.write(gb, bcount);
+            bank_norm.write(gb, bnorm);
+        }
+        meta.slot_round = cur;
+        meta.bank_round = bround;
+        meta.bank_count = bcount;
+        meta.bank_bitmap = bmap;
+        meta.bank_norm = bnorm;
+        meta.sum_base = gb * THC_K;
+    }
+}
+
+// ---------------- one element of the payload ----------------
+// Written once, instantiated K times (elem_0 .. elem_<K-1>): looks the element's b-bit index up in
+// the job's table (entries (job_index, index) -> T[index], written by the control plane) and updates
+// its sum: sum = (sum & keep) + (T[index] & add) -- overwrite, add, or read the retained sum.
+control ThcElement(in bit<16> job_index, in bit<(THC_INDEX_BITS)> index, in bit<32> sum_index,
+                   in bit<THC_RESULT_BITS> keep, in bit<THC_RESULT_BITS> add, inout bit<THC_RESULT_BITS> sum) {
+    action value(bit<THC_RESULT_BITS> v) {
+        bit<THC_RESULT_BITS> x;
+        sums.read(x, sum_index);
+        x = (x & keep) + (v & add);
+        sums.write(sum_index, x);
+        sum = x;
+    }
+
+    table lookup {
+        key = { job_index: exact; index: exact; }
+        actions = { value; }
+        size = THC_JOBS << THC_INDEX_BITS;
+        default_action = value(0);
+    }
+
+    apply {
+        lookup.apply();
+    }
+}
+
+// ---------------- the answer: the request's header with result fields rewritten ----------------
+// A straggler notice (the slot's round, no payload), or the bank's RESULT / NORM_RESULT; from the
+// service address and port, to the sender or (completion) to the job's multicast group.
+control ThcReply(inout thc_headers_t hdr, inout thc_metadata_t meta,
+                 inout standard_metadata_t standard_metadata) {
+    apply {
+        hdr.thc.flags = 0;
+        if (meta.emit == EMIT_STRAGGLER) {
+            hdr.thc.type_ = THC_TYPE_STRAGGLER;
+            hdr.thc.contributors = 0;
+            hdr.thc.round = meta.slot_round;
+            hdr.thc.elems = 0;
+            hdr.thc.width = 0;
+            hdr.thc.bitmap = 0;
+            hdr.data.setInvalid();
+            hdr.norm.setInvalid();
+            hdr.result.setInvalid();
+            hdr.udp.length = UDP_HEADER_BYTES + THC_HEADER_BYTES;
+        } else {
+            hdr.thc.contributors = meta.bank_count;
+            hdr.thc.round = meta.bank_round;
+            hdr.thc.bitmap = meta.bank_bitmap;
+            if (hdr.thc.type_ == THC_TYPE_NORM) {
+                hdr.thc.type_ = THC_TYPE_NORM_RESULT;
+                hdr.thc.elems = 1;
+                hdr.thc.width = 32;
+                hdr.norm.value = meta.bank_norm;
+                hdr.udp.length = UDP_HEADER_BYTES + THC_HEADER_BYTES + 4;
+            } else {
+                hdr.thc.type_ = THC_TYPE_RESULT;
+                hdr.thc.elems = THC_K16;
+                hdr.thc.width = THC_RESULT_BITS;
+                hdr.data.setInvalid();
+                hdr.udp.length = UDP_HEADER_BYTES + THC_HEADER_BYTES + THC_RESULT_BYTES;
+            }
+        }
+        hdr.ipv4.totalLen = IPV4_HEADER_BYTES + hdr.udp.length;
+        hdr.ipv4.ttl = 64;
+        hdr.udp.checksum = 0;  // no UDP checksum (allowed for IPv4); the IPv4 one is recomputed
+
+        ipv4_addr_t service_ip = hdr.ipv4.dstAddr;
+        if (meta.emit == EMIT_MULTICAST) {
+            meta.fanout = 1;
+            standard_metadata.mcast_grp = meta.job_mcast_grp;
+        } else {
+            meta.fanout = 0;
+            hdr.ipv4.dstAddr = hdr.ipv4.srcAddr;
+            hdr.udp.dstPort = hdr.udp.srcPort;
+            hdr.ethernet.dstAddr = hdr.ethernet.srcAddr;
+            standard_metadata.egress_spec = standard_metadata.ingress_port;
+        }
+        hdr.ipv4.srcAddr = service_ip;
+        hdr.udp.srcPort = THC_UDP_PORT;
+        hdr.ethernet.srcAddr = meta.switch_mac;
+    }
+}
+
+// ---------------- ingress: route, or serve THC ----------------
+control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
+                   inout standard_metadata_t standard_metadata) {
+    ThcValidate() validate;
+    ThcStateTable() state_table;
+    ThcReply() reply;
+    // One ThcElement per element of the payload (generated: K instances).
+    ThcElement() elem_0;
+    ThcElement() elem_1;
+    ThcElement() elem_2;
+    ThcElement() elem_3;
+    ThcElement() elem_4;
+    ThcElement() elem_5;
+    ThcElement() elem_6;
+    ThcElement() elem_7;
+    ThcElement() elem_8;
+    ThcElement() elem_9;
+    ThcElement() elem_10;
+    ThcElement() elem_11;
+    ThcElement() elem_12;
+    ThcElement() elem_13;
+    ThcElement() elem_14;
+    ThcElement() elem_15;
+    ThcElement() elem_16;
+    ThcElement() elem_17;
+    ThcElement() elem_18;
+    ThcElement() elem_19;
+    ThcElement() elem_20;
+    ThcElement() elem_21;
+    ThcElement() elem_22;
+    ThcElement() elem_23;
+    ThcElement() elem_24;
+    ThcElement() elem_25;
+    ThcElement() elem_26;
+    ThcElement() elem_27;
+    ThcElement() elem_28;
+    ThcElement() elem_29;
+    ThcElement() elem_30;
+    ThcElement() elem_31;
 
     action drop() {
         mark_to_drop(standard_metadata);
@@ -222,445 +534,13 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
         default_action = NoAction();
     }
 
-    // One entry per configured job (control plane): its key, table id, n, threshold, slot range,
-    // index (worker address rows, lookup table selector), multicast group and generation.
-    action job_config(bit<32> key, bit<16> table_id, bit<8> workers, bit<8> threshold, bit<16> slots,
-                      bit<32> slot_base, bit<16> job_index, bit<16> mcast_grp, bit<32> gen) {
-        meta.job_hit = 1;
-        meta.job_key = key;
-        meta.job_table_id = table_id;
-        meta.job_workers = workers;
-        meta.job_threshold = threshold;
-        meta.job_slots = slots;
-        meta.job_slot_base = slot_base;
-        meta.job_index = job_index;
-        meta.job_mcast_grp = mcast_grp;
-        meta.job_gen = gen;
-    }
-
-    table thc_jobs {
-        key = { hdr.thc.job: exact; }
-        actions = { job_config; NoAction; }
-        size = THC_JOBS;
-        default_action = NoAction();
-    }
-
-    // ---- per-element lookup tables and updates (generated) ----
-    action value_0(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 0);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 0, x);
-        hdr.result.s0 = x;
-    }
-    table lookup_0 {
-        key = { meta.job_index: exact; hdr.data.i0: exact; }
-        actions = { value_0; }
-        size = 128;
-        default_action = value_0(0);
-    }
-    action value_1(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 1);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 1, x);
-        hdr.result.s1 = x;
-    }
-    table lookup_1 {
-        key = { meta.job_index: exact; hdr.data.i1: exact; }
-        actions = { value_1; }
-        size = 128;
-        default_action = value_1(0);
-    }
-    action value_2(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 2);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 2, x);
-        hdr.result.s2 = x;
-    }
-    table lookup_2 {
-        key = { meta.job_index: exact; hdr.data.i2: exact; }
-        actions = { value_2; }
-        size = 128;
-        default_action = value_2(0);
-    }
-    action value_3(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 3);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 3, x);
-        hdr.result.s3 = x;
-    }
-    table lookup_3 {
-        key = { meta.job_index: exact; hdr.data.i3: exact; }
-        actions = { value_3; }
-        size = 128;
-        default_action = value_3(0);
-    }
-    action value_4(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 4);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 4, x);
-        hdr.result.s4 = x;
-    }
-    table lookup_4 {
-        key = { meta.job_index: exact; hdr.data.i4: exact; }
-        actions = { value_4; }
-        size = 128;
-        default_action = value_4(0);
-    }
-    action value_5(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 5);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 5, x);
-        hdr.result.s5 = x;
-    }
-    table lookup_5 {
-        key = { meta.job_index: exact; hdr.data.i5: exact; }
-        actions = { value_5; }
-        size = 128;
-        default_action = value_5(0);
-    }
-    action value_6(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 6);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 6, x);
-        hdr.result.s6 = x;
-    }
-    table lookup_6 {
-        key = { meta.job_index: exact; hdr.data.i6: exact; }
-        actions = { value_6; }
-        size = 128;
-        default_action = value_6(0);
-    }
-    action value_7(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 7);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 7, x);
-        hdr.result.s7 = x;
-    }
-    table lookup_7 {
-        key = { meta.job_index: exact; hdr.data.i7: exact; }
-        actions = { value_7; }
-        size = 128;
-        default_action = value_7(0);
-    }
-    action value_8(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 8);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 8, x);
-        hdr.result.s8 = x;
-    }
-    table lookup_8 {
-        key = { meta.job_index: exact; hdr.data.i8: exact; }
-        actions = { value_8; }
-        size = 128;
-        default_action = value_8(0);
-    }
-    action value_9(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 9);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 9, x);
-        hdr.result.s9 = x;
-    }
-    table lookup_9 {
-        key = { meta.job_index: exact; hdr.data.i9: exact; }
-        actions = { value_9; }
-        size = 128;
-        default_action = value_9(0);
-    }
-    action value_10(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 10);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 10, x);
-        hdr.result.s10 = x;
-    }
-    table lookup_10 {
-        key = { meta.job_index: exact; hdr.data.i10: exact; }
-        actions = { value_10; }
-        size = 128;
-        default_action = value_10(0);
-    }
-    action value_11(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 11);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 11, x);
-        hdr.result.s11 = x;
-    }
-    table lookup_11 {
-        key = { meta.job_index: exact; hdr.data.i11: exact; }
-        actions = { value_11; }
-        size = 128;
-        default_action = value_11(0);
-    }
-    action value_12(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 12);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 12, x);
-        hdr.result.s12 = x;
-    }
-    table lookup_12 {
-        key = { meta.job_index: exact; hdr.data.i12: exact; }
-        actions = { value_12; }
-        size = 128;
-        default_action = value_12(0);
-    }
-    action value_13(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 13);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 13, x);
-        hdr.result.s13 = x;
-    }
-    table lookup_13 {
-        key = { meta.job_index: exact; hdr.data.i13: exact; }
-        actions = { value_13; }
-        size = 128;
-        default_action = value_13(0);
-    }
-    action value_14(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 14);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 14, x);
-        hdr.result.s14 = x;
-    }
-    table lookup_14 {
-        key = { meta.job_index: exact; hdr.data.i14: exact; }
-        actions = { value_14; }
-        size = 128;
-        default_action = value_14(0);
-    }
-    action value_15(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 15);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 15, x);
-        hdr.result.s15 = x;
-    }
-    table lookup_15 {
-        key = { meta.job_index: exact; hdr.data.i15: exact; }
-        actions = { value_15; }
-        size = 128;
-        default_action = value_15(0);
-    }
-    action value_16(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 16);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 16, x);
-        hdr.result.s16 = x;
-    }
-    table lookup_16 {
-        key = { meta.job_index: exact; hdr.data.i16: exact; }
-        actions = { value_16; }
-        size = 128;
-        default_action = value_16(0);
-    }
-    action value_17(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 17);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 17, x);
-        hdr.result.s17 = x;
-    }
-    table lookup_17 {
-        key = { meta.job_index: exact; hdr.data.i17: exact; }
-        actions = { value_17; }
-        size = 128;
-        default_action = value_17(0);
-    }
-    action value_18(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 18);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 18, x);
-        hdr.result.s18 = x;
-    }
-    table lookup_18 {
-        key = { meta.job_index: exact; hdr.data.i18: exact; }
-        actions = { value_18; }
-        size = 128;
-        default_action = value_18(0);
-    }
-    action value_19(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 19);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 19, x);
-        hdr.result.s19 = x;
-    }
-    table lookup_19 {
-        key = { meta.job_index: exact; hdr.data.i19: exact; }
-        actions = { value_19; }
-        size = 128;
-        default_action = value_19(0);
-    }
-    action value_20(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 20);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 20, x);
-        hdr.result.s20 = x;
-    }
-    table lookup_20 {
-        key = { meta.job_index: exact; hdr.data.i20: exact; }
-        actions = { value_20; }
-        size = 128;
-        default_action = value_20(0);
-    }
-    action value_21(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 21);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 21, x);
-        hdr.result.s21 = x;
-    }
-    table lookup_21 {
-        key = { meta.job_index: exact; hdr.data.i21: exact; }
-        actions = { value_21; }
-        size = 128;
-        default_action = value_21(0);
-    }
-    action value_22(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 22);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 22, x);
-        hdr.result.s22 = x;
-    }
-    table lookup_22 {
-        key = { meta.job_index: exact; hdr.data.i22: exact; }
-        actions = { value_22; }
-        size = 128;
-        default_action = value_22(0);
-    }
-    action value_23(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 23);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 23, x);
-        hdr.result.s23 = x;
-    }
-    table lookup_23 {
-        key = { meta.job_index: exact; hdr.data.i23: exact; }
-        actions = { value_23; }
-        size = 128;
-        default_action = value_23(0);
-    }
-    action value_24(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 24);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 24, x);
-        hdr.result.s24 = x;
-    }
-    table lookup_24 {
-        key = { meta.job_index: exact; hdr.data.i24: exact; }
-        actions = { value_24; }
-        size = 128;
-        default_action = value_24(0);
-    }
-    action value_25(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 25);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 25, x);
-        hdr.result.s25 = x;
-    }
-    table lookup_25 {
-        key = { meta.job_index: exact; hdr.data.i25: exact; }
-        actions = { value_25; }
-        size = 128;
-        default_action = value_25(0);
-    }
-    action value_26(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 26);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 26, x);
-        hdr.result.s26 = x;
-    }
-    table lookup_26 {
-        key = { meta.job_index: exact; hdr.data.i26: exact; }
-        actions = { value_26; }
-        size = 128;
-        default_action = value_26(0);
-    }
-    action value_27(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 27);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 27, x);
-        hdr.result.s27 = x;
-    }
-    table lookup_27 {
-        key = { meta.job_index: exact; hdr.data.i27: exact; }
-        actions = { value_27; }
-        size = 128;
-        default_action = value_27(0);
-    }
-    action value_28(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 28);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 28, x);
-        hdr.result.s28 = x;
-    }
-    table lookup_28 {
-        key = { meta.job_index: exact; hdr.data.i28: exact; }
-        actions = { value_28; }
-        size = 128;
-        default_action = value_28(0);
-    }
-    action value_29(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 29);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 29, x);
-        hdr.result.s29 = x;
-    }
-    table lookup_29 {
-        key = { meta.job_index: exact; hdr.data.i29: exact; }
-        actions = { value_29; }
-        size = 128;
-        default_action = value_29(0);
-    }
-    action value_30(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 30);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 30, x);
-        hdr.result.s30 = x;
-    }
-    table lookup_30 {
-        key = { meta.job_index: exact; hdr.data.i30: exact; }
-        actions = { value_30; }
-        size = 128;
-        default_action = value_30(0);
-    }
-    action value_31(bit<THC_RESULT_BITS> v) {
-        bit<THC_RESULT_BITS> x;
-        sums.read(x, meta.sum_base + 31);
-        x = (x & meta.keep) + (v & meta.add);
-        sums.write(meta.sum_base + 31, x);
-        hdr.result.s31 = x;
-    }
-    table lookup_31 {
-        key = { meta.job_index: exact; hdr.data.i31: exact; }
-        actions = { value_31; }
-        size = 128;
-        default_action = value_31(0);
+    // Learn the sender's address (the egress answers known workers only, as the Python server).
+    action learn_sender() {
+        bit<32> row = (bit<32>)meta.job_index * THC_MAX_WORKERS + (bit<32>)hdr.thc.worker;
+        worker_gen.write(row, meta.job_gen);
+        worker_ip.write(row, hdr.ipv4.srcAddr);
+        worker_port.write(row, hdr.udp.srcPort);
+        worker_mac.write(row, hdr.ethernet.srcAddr);
     }
 
     apply {
@@ -676,241 +556,53 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
         } else if (!to_service) {
             ipv4_lpm.apply();
         } else {
-
-            // ---------------- validation (docs/protocol.md, in order) ----------------
             thc_stats.count(THC_CTR_RX);
-            meta.job_hit = 0;
-            bool bad = true;
-            bit<16> ulen = hdr.udp.length;
-            if (!hdr.thc.isValid() || ulen < UDP_HEADER_BYTES + THC_HEADER_BYTES) {
-                thc_stats.count(THC_CTR_SHORT);
-            } else if (hdr.thc.version != THC_VERSION) {
-                thc_stats.count(THC_CTR_BAD_VERSION);
-            } else if (hdr.thc.type_ != THC_TYPE_DATA && hdr.thc.type_ != THC_TYPE_NORM) {
-                thc_stats.count(THC_CTR_BAD_TYPE);
-            } else {
-                thc_jobs.apply();
-                if (meta.job_hit == 0) {
-                    thc_stats.count(THC_CTR_UNKNOWN_JOB);
-                } else if (hdr.thc.key_ != meta.job_key) {
-                    thc_stats.count(THC_CTR_BAD_KEY);
-                } else if (hdr.thc.table_id != meta.job_table_id) {
-                    thc_stats.count(THC_CTR_BAD_TABLE);
-                } else if (hdr.thc.worker >= meta.job_workers) {
-                    thc_stats.count(THC_CTR_BAD_WORKER);
-                } else if (hdr.thc.slot >= meta.job_slots) {
-                    thc_stats.count(THC_CTR_BAD_SLOT);
-                } else if (hdr.thc.type_ == THC_TYPE_DATA && !(hdr.data.isValid() && hdr.thc.elems == THC_K16
-                           && hdr.thc.width == THC_INDEX_BITS && ulen == UDP_HEADER_BYTES + THC_HEADER_BYTES
-                           + THC_DATA_BYTES)) {
-                    thc_stats.count(THC_CTR_BAD_FORMAT);
-                } else if (hdr.thc.type_ == THC_TYPE_NORM && !(hdr.norm.isValid() && hdr.thc.elems == 1
-                           && hdr.thc.width == 32 && ulen == UDP_HEADER_BYTES + THC_HEADER_BYTES + 4)) {
-                    thc_stats.count(THC_CTR_BAD_FORMAT);
-                } else if (hdr.thc.type_ == THC_TYPE_NORM && (hdr.norm.value[31:31] == 1
-                           || hdr.norm.value[30:23] == 0xFF)) {
-                    thc_stats.count(THC_CTR_BAD_NORM);
-                } else {
-                    bad = false;
-                }
-            }
-            if (bad) {
+            validate.apply(hdr, meta);
+            if (meta.valid == 0) {
                 drop();
             } else {
-
-                // Learn the sender's address (the egress answers known workers only, as the Python server).
-                bit<32> wrow = (bit<32>)meta.job_index * THC_MAX_WORKERS + (bit<32>)hdr.thc.worker;
-                worker_gen.write(wrow, meta.job_gen);
-                worker_ip.write(wrow, hdr.ipv4.srcAddr);
-                worker_port.write(wrow, hdr.udp.srcPort);
-                worker_mac.write(wrow, hdr.ethernet.srcAddr);
-
-                // ---------------- state table ----------------
-                bit<32> g = meta.job_slot_base + (bit<32>)hdr.thc.slot;
-                bit<32> gb = (g << 1) | (bit<32>)hdr.thc.round[0:0];
-                bit<8> t = hdr.thc.type_;
-                bit<32> wbit = (bit<32>)1 << hdr.thc.worker;
-                bit<32> sgen = 0;
-                bit<16> cur = 0;
-                bit<32> bgen = 0;
-                bit<16> bround = 0;
-                bit<8> bkind = 0;
-                bit<8> bcomplete = 0;
-                bit<32> bmap = 0;
-                bit<8> bcount = 0;
-                bit<32> bnorm = 0;
-                slot_gen.read(sgen, g);
-                slot_round.read(cur, g);
-                bank_gen.read(bgen, gb);
-                bank_round.read(bround, gb);
-                bank_kind.read(bkind, gb);
-                bank_complete.read(bcomplete, gb);
-                bank_bitmap.read(bmap, gb);
-                bank_count.read(bcount, gb);
-                bank_norm.read(bnorm, gb);
-                bit<16> diff = hdr.thc.round - cur;
-                bool newer = diff != 0 && diff[15:15] == 0;  // RFC 1982 on 16 bits
-                bool update = false;                         // the packet is added to the bank
-                meta.emit = EMIT_NONE;
-                meta.keep = 0;
-                meta.add = 0;
-
-                if (sgen != meta.job_gen || newer) {
-                    // FRESH or NEWER: overwrite bank b with this packet alone.
-                    slot_gen.write(g, meta.job_gen);
-                    slot_round.write(g, hdr.thc.round);
-                    bgen = meta.job_gen;
-                    bround = hdr.thc.round;
-                    bkind = t;
-                    bmap = wbit;
-                    bcount = 1;
-                    bcomplete = 0;
-                    if (t == THC_TYPE_NORM) {
-                        bnorm = hdr.norm.value;
-                    }
-                    meta.keep = 0;
-                    meta.add = THC_RESULT_ONES;
-                    update = true;
-                    thc_stats.count(THC_CTR_NEW_ROUND);
-                } else if (bgen == meta.job_gen && bround == hdr.thc.round) {
-                    if (bkind != t) {
-                        thc_stats.count(THC_CTR_KIND_MISMATCH);
-                    } else if (bcomplete == 1) {
-                        // COMPLETE: duplicate or latecomer gets the retained result, adds nothing.
-                        thc_stats.count(THC_CTR_RETAINED);
-                        meta.emit = EMIT_RETAINED;
-                        meta.keep = THC_RESULT_ONES;
-                        meta.add = 0;
-                    } else if ((bmap & wbit) != 0) {
-                        thc_stats.count(THC_CTR_DUPLICATE);
-                    } else {
-                        // ACTIVE, new contributor.
-                        bmap = bmap | wbit;
-                        bcount = bcount + 1;
-                        if (t == THC_TYPE_NORM && hdr.norm.value > bnorm) {
-                            bnorm = hdr.norm.value;
-                        }
-                        meta.keep = THC_RESULT_ONES;
-                        meta.add = THC_RESULT_ONES;
-                        update = true;
-                    }
-                } else {
-                    // STALE: the slot has moved on; tell the sender its current round.
-                    thc_stats.count(THC_CTR_STRAGGLER);
-                    meta.emit = EMIT_STRAGGLER;
-                }
-
-                if (update) {
-                    thc_stats.count(THC_CTR_ACCEPTED);
-                    if (t == THC_TYPE_DATA) {
-                        thc_stats.count(THC_CTR_ELEMENTS);
-                    }
-                    if (bcount >= meta.job_threshold) {
-                        bcomplete = 1;
-                        thc_stats.count(THC_CTR_COMPLETED);
-                        meta.emit = EMIT_MULTICAST;
-                    }
-                    bank_gen.write(gb, bgen);
-                    bank_round.write(gb, bround);
-                    bank_kind.write(gb, bkind);
-                    bank_complete.write(gb, bcomplete);
-                    bank_bitmap.write(gb, bmap);
-                    bank_count.write(gb, bcount);
-                    bank_norm.write(gb, bnorm);
-                }
-
+                learn_sender();
+                state_table.apply(hdr, meta);
                 // Sums: look every index up and add it (or only read the bank for a retained result).
-                if (t == THC_TYPE_DATA && (update || meta.emit == EMIT_RETAINED)) {
-                    meta.sum_base = gb * THC_K;
+                if (hdr.thc.type_ == THC_TYPE_DATA && (meta.update == 1 || meta.emit == EMIT_RETAINED)) {
                     hdr.result.setValid();
-                    lookup_0.apply();
-                    lookup_1.apply();
-                    lookup_2.apply();
-                    lookup_3.apply();
-                    lookup_4.apply();
-                    lookup_5.apply();
-                    lookup_6.apply();
-                    lookup_7.apply();
-                    lookup_8.apply();
-                    lookup_9.apply();
-                    lookup_10.apply();
-                    lookup_11.apply();
-                    lookup_12.apply();
-                    lookup_13.apply();
-                    lookup_14.apply();
-                    lookup_15.apply();
-                    lookup_16.apply();
-                    lookup_17.apply();
-                    lookup_18.apply();
-                    lookup_19.apply();
-                    lookup_20.apply();
-                    lookup_21.apply();
-                    lookup_22.apply();
-                    lookup_23.apply();
-                    lookup_24.apply();
-                    lookup_25.apply();
-                    lookup_26.apply();
-                    lookup_27.apply();
-                    lookup_28.apply();
-                    lookup_29.apply();
-                    lookup_30.apply();
-                    lookup_31.apply();
+                    elem_0.apply(meta.job_index, hdr.data.i0, meta.sum_base + 0, meta.keep, meta.add, hdr.result.s0);
+                    elem_1.apply(meta.job_index, hdr.data.i1, meta.sum_base + 1, meta.keep, meta.add, hdr.result.s1);
+                    elem_2.apply(meta.job_index, hdr.data.i2, meta.sum_base + 2, meta.keep, meta.add, hdr.result.s2);
+                    elem_3.apply(meta.job_index, hdr.data.i3, meta.sum_base + 3, meta.keep, meta.add, hdr.result.s3);
+                    elem_4.apply(meta.job_index, hdr.data.i4, meta.sum_base + 4, meta.keep, meta.add, hdr.result.s4);
+                    elem_5.apply(meta.job_index, hdr.data.i5, meta.sum_base + 5, meta.keep, meta.add, hdr.result.s5);
+                    elem_6.apply(meta.job_index, hdr.data.i6, meta.sum_base + 6, meta.keep, meta.add, hdr.result.s6);
+                    elem_7.apply(meta.job_index, hdr.data.i7, meta.sum_base + 7, meta.keep, meta.add, hdr.result.s7);
+                    elem_8.apply(meta.job_index, hdr.data.i8, meta.sum_base + 8, meta.keep, meta.add, hdr.result.s8);
+                    elem_9.apply(meta.job_index, hdr.data.i9, meta.sum_base + 9, meta.keep, meta.add, hdr.result.s9);
+                    elem_10.apply(meta.job_index, hdr.data.i10, meta.sum_base + 10, meta.keep, meta.add, hdr.result.s10);
+                    elem_11.apply(meta.job_index, hdr.data.i11, meta.sum_base + 11, meta.keep, meta.add, hdr.result.s11);
+                    elem_12.apply(meta.job_index, hdr.data.i12, meta.sum_base + 12, meta.keep, meta.add, hdr.result.s12);
+                    elem_13.apply(meta.job_index, hdr.data.i13, meta.sum_base + 13, meta.keep, meta.add, hdr.result.s13);
+                    elem_14.apply(meta.job_index, hdr.data.i14, meta.sum_base + 14, meta.keep, meta.add, hdr.result.s14);
+                    elem_15.apply(meta.job_index, hdr.data.i15, meta.sum_base + 15, meta.keep, meta.add, hdr.result.s15);
+                    elem_16.apply(meta.job_index, hdr.data.i16, meta.sum_base + 16, meta.keep, meta.add, hdr.result.s16);
+                    elem_17.apply(meta.job_index, hdr.data.i17, meta.sum_base + 17, meta.keep, meta.add, hdr.result.s17);
+                    elem_18.apply(meta.job_index, hdr.data.i18, meta.sum_base + 18, meta.keep, meta.add, hdr.result.s18);
+                    elem_19.apply(meta.job_index, hdr.data.i19, meta.sum_base + 19, meta.keep, meta.add, hdr.result.s19);
+                    elem_20.apply(meta.job_index, hdr.data.i20, meta.sum_base + 20, meta.keep, meta.add, hdr.result.s20);
+                    elem_21.apply(meta.job_index, hdr.data.i21, meta.sum_base + 21, meta.keep, meta.add, hdr.result.s21);
+                    elem_22.apply(meta.job_index, hdr.data.i22, meta.sum_base + 22, meta.keep, meta.add, hdr.result.s22);
+                    elem_23.apply(meta.job_index, hdr.data.i23, meta.sum_base + 23, meta.keep, meta.add, hdr.result.s23);
+                    elem_24.apply(meta.job_index, hdr.data.i24, meta.sum_base + 24, meta.keep, meta.add, hdr.result.s24);
+                    elem_25.apply(meta.job_index, hdr.data.i25, meta.sum_base + 25, meta.keep, meta.add, hdr.result.s25);
+                    elem_26.apply(meta.job_index, hdr.data.i26, meta.sum_base + 26, meta.keep, meta.add, hdr.result.s26);
+                    elem_27.apply(meta.job_index, hdr.data.i27, meta.sum_base + 27, meta.keep, meta.add, hdr.result.s27);
+                    elem_28.apply(meta.job_index, hdr.data.i28, meta.sum_base + 28, meta.keep, meta.add, hdr.result.s28);
+                    elem_29.apply(meta.job_index, hdr.data.i29, meta.sum_base + 29, meta.keep, meta.add, hdr.result.s29);
+                    elem_30.apply(meta.job_index, hdr.data.i30, meta.sum_base + 30, meta.keep, meta.add, hdr.result.s30);
+                    elem_31.apply(meta.job_index, hdr.data.i31, meta.sum_base + 31, meta.keep, meta.add, hdr.result.s31);
                 }
-
                 if (meta.emit == EMIT_NONE) {
                     drop();
                 } else {
-
-                    // ---------------- the answer: the request's header with result fields rewritten ----------------
-                    hdr.thc.flags = 0;
-                    if (meta.emit == EMIT_STRAGGLER) {
-                        hdr.thc.type_ = THC_TYPE_STRAGGLER;
-                        hdr.thc.contributors = 0;
-                        hdr.thc.round = cur;
-                        hdr.thc.elems = 0;
-                        hdr.thc.width = 0;
-                        hdr.thc.bitmap = 0;
-                        hdr.data.setInvalid();
-                        hdr.norm.setInvalid();
-                        hdr.result.setInvalid();
-                        hdr.udp.length = UDP_HEADER_BYTES + THC_HEADER_BYTES;
-                    } else {
-                        hdr.thc.contributors = bcount;
-                        hdr.thc.round = bround;
-                        hdr.thc.bitmap = bmap;
-                        if (t == THC_TYPE_NORM) {
-                            hdr.thc.type_ = THC_TYPE_NORM_RESULT;
-                            hdr.thc.elems = 1;
-                            hdr.thc.width = 32;
-                            hdr.norm.value = bnorm;
-                            hdr.udp.length = UDP_HEADER_BYTES + THC_HEADER_BYTES + 4;
-                        } else {
-                            hdr.thc.type_ = THC_TYPE_RESULT;
-                            hdr.thc.elems = THC_K16;
-                            hdr.thc.width = THC_RESULT_BITS;
-                            hdr.data.setInvalid();
-                            hdr.udp.length = UDP_HEADER_BYTES + THC_HEADER_BYTES + THC_RESULT_BYTES;
-                        }
-                    }
-                    hdr.ipv4.totalLen = IPV4_HEADER_BYTES + hdr.udp.length;
-                    hdr.ipv4.ttl = 64;
-                    hdr.udp.checksum = 0;  // no UDP checksum (allowed for IPv4); the IPv4 one is recomputed
-
-                    // Answers come from the service address and port.
-                    ipv4_addr_t service_ip = hdr.ipv4.dstAddr;
-                    if (meta.emit == EMIT_MULTICAST) {
-                        meta.fanout = 1;
-                        standard_metadata.mcast_grp = meta.job_mcast_grp;
-                    } else {
-                        meta.fanout = 0;
-                        hdr.ipv4.dstAddr = hdr.ipv4.srcAddr;
-                        hdr.udp.dstPort = hdr.udp.srcPort;
-                        hdr.ethernet.dstAddr = hdr.ethernet.srcAddr;
-                        standard_metadata.egress_spec = standard_metadata.ingress_port;
-                    }
-                    hdr.ipv4.srcAddr = service_ip;
-                    hdr.udp.srcPort = THC_UDP_PORT;
-                    hdr.ethernet.srcAddr = meta.switch_mac;
+                    reply.apply(hdr, meta, standard_metadata);
                 }
             }
         }

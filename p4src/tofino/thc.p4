@@ -2,8 +2,10 @@
 /* THC in-network aggregation for Tofino (P4_16, TNA).
  *
  * TEMPLATE: p4gen/tofino.py renders this file into p4src/tofino/thc.p4 for a given K, b, result width and
- * register geometry; the lines at the @...@ markers are generated (P4 has no loops over header fields,
- * tables or registers). Edit this template, not thc.p4; tests/test_p4_tofino.py checks thc.p4 is current.
+ * register geometry; the lines at the @...@ markers are generated (P4 has no loops over header fields or
+ * control instances): the constants, the K-field payload headers, the K instantiations and apply lines
+ * of ThcElement (the per-element lookup and sum, written once below), the 1 << worker constants and the
+ * validation TCAM rows. Edit this template, not thc.p4; tests/test_p4_tofino.py checks thc.p4 is current.
  *
  * Same protocol and behaviour as p4src/bmv2/thc.p4 (the state table of docs/protocol.md, row for row), laid
  * out for Tofino's rules (p4src/tofino/README.md: why, and what it costs):
@@ -17,8 +19,8 @@
  *       - STALE: the straggler notice goes straight back to the sender (one pass);
  *       - FRESH/NEWER, ACTIVE add, COMPLETE: it RECIRCULATES with a bridge header (the operation, count,
  *         threshold, rows, slot and the worker's bit) for pass 2.
- *   PASS 2 (from the recirculation port, as in the THC paper's Section 7): K table lookups (index ->
- *     T[index]), K sum registers (one stateful ALU each: overwrite or add), the norm maximum, the result
+ *   PASS 2 (from the recirculation port, as in the THC paper's Section 7): K ThcElements, each a table
+ *     lookup (index -> T[index]) and a sum register (one stateful ALU: overwrite or add), the norm maximum, the result
  *     bitmap, the completion check; then the answer: RESULT / NORM_RESULT multicast through the PRE (one
  *     replica per worker, rid = job_index * 32 + worker; egress rewrites each replica to the worker's
  *     learnt address) or the retained result unicast to the sender. Recirculation is FIFO, so pass 2
@@ -203,6 +205,42 @@ struct thc_egress_metadata_t {
 
 #include "parser.p4"
 
+// ---------------- one element of the payload (pass 2) ----------------
+// Written once, instantiated K times in ThcIngress (elem_0 .. elem_<K-1>): looks the element's b-bit
+// index up in the job's table (entries (job_index, index) -> T[index], written by the control plane;
+// a retained read's job_index is THC_NO_ROW, so it misses and reads 0) and then updates the element's
+// sum register: overwrite for OP_SET, else add; the new value is the sum, into the RESULT payload.
+control ThcElement(in bit<16> job_index, in bit<(THC_INDEX_BITS)> index, in bit<8> op, in bit<32> bank,
+                   inout bit<THC_RESULT_BITS> sum) {
+    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums;
+    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums) accumulate = {
+        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
+            if (op == OP_SET) {
+                v = sum;
+            } else {
+                v = v + sum;
+            }
+            rv = v;
+        }
+    };
+
+    action value(bit<THC_RESULT_BITS> v) {
+        sum = v;
+    }
+
+    table lookup {
+        key = { job_index: ternary; index: ternary; }
+        actions = { value; }
+        size = THC_JOBS << THC_INDEX_BITS;
+        default_action = value(0);
+    }
+
+    apply {
+        lookup.apply();
+        sum = accumulate.execute(bank);
+    }
+}
+
 control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                    in ingress_intrinsic_metadata_t ig_intr_md,
                    in ingress_intrinsic_metadata_from_parser_t ig_prsr_md,
@@ -331,271 +369,31 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
         }
     };
 
-    // ---- sum registers (generated: one register, one stateful ALU per element) ----
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_0;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_0) sum_0 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s0;
-            } else {
-                v = v + hdr.result.s0;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_1;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_1) sum_1 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s1;
-            } else {
-                v = v + hdr.result.s1;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_2;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_2) sum_2 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s2;
-            } else {
-                v = v + hdr.result.s2;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_3;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_3) sum_3 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s3;
-            } else {
-                v = v + hdr.result.s3;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_4;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_4) sum_4 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s4;
-            } else {
-                v = v + hdr.result.s4;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_5;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_5) sum_5 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s5;
-            } else {
-                v = v + hdr.result.s5;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_6;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_6) sum_6 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s6;
-            } else {
-                v = v + hdr.result.s6;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_7;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_7) sum_7 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s7;
-            } else {
-                v = v + hdr.result.s7;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_8;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_8) sum_8 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s8;
-            } else {
-                v = v + hdr.result.s8;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_9;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_9) sum_9 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s9;
-            } else {
-                v = v + hdr.result.s9;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_10;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_10) sum_10 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s10;
-            } else {
-                v = v + hdr.result.s10;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_11;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_11) sum_11 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s11;
-            } else {
-                v = v + hdr.result.s11;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_12;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_12) sum_12 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s12;
-            } else {
-                v = v + hdr.result.s12;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_13;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_13) sum_13 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s13;
-            } else {
-                v = v + hdr.result.s13;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_14;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_14) sum_14 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s14;
-            } else {
-                v = v + hdr.result.s14;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_15;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_15) sum_15 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s15;
-            } else {
-                v = v + hdr.result.s15;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_16;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_16) sum_16 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s16;
-            } else {
-                v = v + hdr.result.s16;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_17;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_17) sum_17 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s17;
-            } else {
-                v = v + hdr.result.s17;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_18;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_18) sum_18 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s18;
-            } else {
-                v = v + hdr.result.s18;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_19;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_19) sum_19 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s19;
-            } else {
-                v = v + hdr.result.s19;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_20;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_20) sum_20 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s20;
-            } else {
-                v = v + hdr.result.s20;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_21;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_21) sum_21 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s21;
-            } else {
-                v = v + hdr.result.s21;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_22;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_22) sum_22 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s22;
-            } else {
-                v = v + hdr.result.s22;
-            }
-            rv = v;
-        }
-    };
-    Register<bit<THC_RESULT_BITS>, bit<32>>(THC_BANKS) sums_23;
-    RegisterAction<bit<THC_RESULT_BITS>, bit<32>, bit<THC_RESULT_BITS>>(sums_23) sum_23 = {
-        void apply(inout bit<THC_RESULT_BITS> v, out bit<THC_RESULT_BITS> rv) {
-            if (hdr.bridge.op == OP_SET) {
-                v = hdr.result.s23;
-            } else {
-                v = v + hdr.result.s23;
-            }
-            rv = v;
-        }
-    };
+    // ---- one ThcElement per element of the payload (generated: K instances) ----
+    ThcElement() elem_0;
+    ThcElement() elem_1;
+    ThcElement() elem_2;
+    ThcElement() elem_3;
+    ThcElement() elem_4;
+    ThcElement() elem_5;
+    ThcElement() elem_6;
+    ThcElement() elem_7;
+    ThcElement() elem_8;
+    ThcElement() elem_9;
+    ThcElement() elem_10;
+    ThcElement() elem_11;
+    ThcElement() elem_12;
+    ThcElement() elem_13;
+    ThcElement() elem_14;
+    ThcElement() elem_15;
+    ThcElement() elem_16;
+    ThcElement() elem_17;
+    ThcElement() elem_18;
+    ThcElement() elem_19;
+    ThcElement() elem_20;
+    ThcElement() elem_21;
+    ThcElement() elem_22;
+    ThcElement() elem_23;
 
     // The bank of round r of slot s is s * 2 + r mod 2: the identity hash of the two fields, because
     // Tofino addresses a register with a field or a hash of fields (pass 1, and again in pass 2).
@@ -759,223 +557,6 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
         size = 1;
     }
 
-    // ---- per-element lookup tables (generated): index -> T[index], into the RESULT payload ----
-    action value_0(bit<THC_RESULT_BITS> v) {
-        hdr.result.s0 = v;
-    }
-    table lookup_0 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i0: ternary; }
-        actions = { value_0; }
-        size = 128;
-        default_action = value_0(0);
-    }
-    action value_1(bit<THC_RESULT_BITS> v) {
-        hdr.result.s1 = v;
-    }
-    table lookup_1 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i1: ternary; }
-        actions = { value_1; }
-        size = 128;
-        default_action = value_1(0);
-    }
-    action value_2(bit<THC_RESULT_BITS> v) {
-        hdr.result.s2 = v;
-    }
-    table lookup_2 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i2: ternary; }
-        actions = { value_2; }
-        size = 128;
-        default_action = value_2(0);
-    }
-    action value_3(bit<THC_RESULT_BITS> v) {
-        hdr.result.s3 = v;
-    }
-    table lookup_3 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i3: ternary; }
-        actions = { value_3; }
-        size = 128;
-        default_action = value_3(0);
-    }
-    action value_4(bit<THC_RESULT_BITS> v) {
-        hdr.result.s4 = v;
-    }
-    table lookup_4 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i4: ternary; }
-        actions = { value_4; }
-        size = 128;
-        default_action = value_4(0);
-    }
-    action value_5(bit<THC_RESULT_BITS> v) {
-        hdr.result.s5 = v;
-    }
-    table lookup_5 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i5: ternary; }
-        actions = { value_5; }
-        size = 128;
-        default_action = value_5(0);
-    }
-    action value_6(bit<THC_RESULT_BITS> v) {
-        hdr.result.s6 = v;
-    }
-    table lookup_6 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i6: ternary; }
-        actions = { value_6; }
-        size = 128;
-        default_action = value_6(0);
-    }
-    action value_7(bit<THC_RESULT_BITS> v) {
-        hdr.result.s7 = v;
-    }
-    table lookup_7 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i7: ternary; }
-        actions = { value_7; }
-        size = 128;
-        default_action = value_7(0);
-    }
-    action value_8(bit<THC_RESULT_BITS> v) {
-        hdr.result.s8 = v;
-    }
-    table lookup_8 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i8: ternary; }
-        actions = { value_8; }
-        size = 128;
-        default_action = value_8(0);
-    }
-    action value_9(bit<THC_RESULT_BITS> v) {
-        hdr.result.s9 = v;
-    }
-    table lookup_9 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i9: ternary; }
-        actions = { value_9; }
-        size = 128;
-        default_action = value_9(0);
-    }
-    action value_10(bit<THC_RESULT_BITS> v) {
-        hdr.result.s10 = v;
-    }
-    table lookup_10 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i10: ternary; }
-        actions = { value_10; }
-        size = 128;
-        default_action = value_10(0);
-    }
-    action value_11(bit<THC_RESULT_BITS> v) {
-        hdr.result.s11 = v;
-    }
-    table lookup_11 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i11: ternary; }
-        actions = { value_11; }
-        size = 128;
-        default_action = value_11(0);
-    }
-    action value_12(bit<THC_RESULT_BITS> v) {
-        hdr.result.s12 = v;
-    }
-    table lookup_12 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i12: ternary; }
-        actions = { value_12; }
-        size = 128;
-        default_action = value_12(0);
-    }
-    action value_13(bit<THC_RESULT_BITS> v) {
-        hdr.result.s13 = v;
-    }
-    table lookup_13 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i13: ternary; }
-        actions = { value_13; }
-        size = 128;
-        default_action = value_13(0);
-    }
-    action value_14(bit<THC_RESULT_BITS> v) {
-        hdr.result.s14 = v;
-    }
-    table lookup_14 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i14: ternary; }
-        actions = { value_14; }
-        size = 128;
-        default_action = value_14(0);
-    }
-    action value_15(bit<THC_RESULT_BITS> v) {
-        hdr.result.s15 = v;
-    }
-    table lookup_15 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i15: ternary; }
-        actions = { value_15; }
-        size = 128;
-        default_action = value_15(0);
-    }
-    action value_16(bit<THC_RESULT_BITS> v) {
-        hdr.result.s16 = v;
-    }
-    table lookup_16 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i16: ternary; }
-        actions = { value_16; }
-        size = 128;
-        default_action = value_16(0);
-    }
-    action value_17(bit<THC_RESULT_BITS> v) {
-        hdr.result.s17 = v;
-    }
-    table lookup_17 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i17: ternary; }
-        actions = { value_17; }
-        size = 128;
-        default_action = value_17(0);
-    }
-    action value_18(bit<THC_RESULT_BITS> v) {
-        hdr.result.s18 = v;
-    }
-    table lookup_18 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i18: ternary; }
-        actions = { value_18; }
-        size = 128;
-        default_action = value_18(0);
-    }
-    action value_19(bit<THC_RESULT_BITS> v) {
-        hdr.result.s19 = v;
-    }
-    table lookup_19 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i19: ternary; }
-        actions = { value_19; }
-        size = 128;
-        default_action = value_19(0);
-    }
-    action value_20(bit<THC_RESULT_BITS> v) {
-        hdr.result.s20 = v;
-    }
-    table lookup_20 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i20: ternary; }
-        actions = { value_20; }
-        size = 128;
-        default_action = value_20(0);
-    }
-    action value_21(bit<THC_RESULT_BITS> v) {
-        hdr.result.s21 = v;
-    }
-    table lookup_21 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i21: ternary; }
-        actions = { value_21; }
-        size = 128;
-        default_action = value_21(0);
-    }
-    action value_22(bit<THC_RESULT_BITS> v) {
-        hdr.result.s22 = v;
-    }
-    table lookup_22 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i22: ternary; }
-        actions = { value_22; }
-        size = 128;
-        default_action = value_22(0);
-    }
-    action value_23(bit<THC_RESULT_BITS> v) {
-        hdr.result.s23 = v;
-    }
-    table lookup_23 {
-        key = { hdr.bridge.job_index: ternary; hdr.data.i23: ternary; }
-        actions = { value_23; }
-        size = 128;
-        default_action = value_23(0);
-    }
 
     // The state chain's steps after slot_check: one table per register, whose constant entries pick
     // the RegisterAction (meta.s == 0: the packet starts the round; meta.dup: the worker's bit was set).
@@ -1153,54 +734,30 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                 // overwrites (FRESH/NEWER) or adds, and its new value is the sum. No branch: Tofino 1
                 // would place the sums after every table of a branch before them.
                 hdr.result.setValid();
-                lookup_0.apply();
-                lookup_1.apply();
-                lookup_2.apply();
-                lookup_3.apply();
-                lookup_4.apply();
-                lookup_5.apply();
-                lookup_6.apply();
-                lookup_7.apply();
-                lookup_8.apply();
-                lookup_9.apply();
-                lookup_10.apply();
-                lookup_11.apply();
-                lookup_12.apply();
-                lookup_13.apply();
-                lookup_14.apply();
-                lookup_15.apply();
-                lookup_16.apply();
-                lookup_17.apply();
-                lookup_18.apply();
-                lookup_19.apply();
-                lookup_20.apply();
-                lookup_21.apply();
-                lookup_22.apply();
-                lookup_23.apply();
-                hdr.result.s0 = sum_0.execute(bank);
-                hdr.result.s1 = sum_1.execute(bank);
-                hdr.result.s2 = sum_2.execute(bank);
-                hdr.result.s3 = sum_3.execute(bank);
-                hdr.result.s4 = sum_4.execute(bank);
-                hdr.result.s5 = sum_5.execute(bank);
-                hdr.result.s6 = sum_6.execute(bank);
-                hdr.result.s7 = sum_7.execute(bank);
-                hdr.result.s8 = sum_8.execute(bank);
-                hdr.result.s9 = sum_9.execute(bank);
-                hdr.result.s10 = sum_10.execute(bank);
-                hdr.result.s11 = sum_11.execute(bank);
-                hdr.result.s12 = sum_12.execute(bank);
-                hdr.result.s13 = sum_13.execute(bank);
-                hdr.result.s14 = sum_14.execute(bank);
-                hdr.result.s15 = sum_15.execute(bank);
-                hdr.result.s16 = sum_16.execute(bank);
-                hdr.result.s17 = sum_17.execute(bank);
-                hdr.result.s18 = sum_18.execute(bank);
-                hdr.result.s19 = sum_19.execute(bank);
-                hdr.result.s20 = sum_20.execute(bank);
-                hdr.result.s21 = sum_21.execute(bank);
-                hdr.result.s22 = sum_22.execute(bank);
-                hdr.result.s23 = sum_23.execute(bank);
+                elem_0.apply(hdr.bridge.job_index, hdr.data.i0, hdr.bridge.op, bank, hdr.result.s0);
+                elem_1.apply(hdr.bridge.job_index, hdr.data.i1, hdr.bridge.op, bank, hdr.result.s1);
+                elem_2.apply(hdr.bridge.job_index, hdr.data.i2, hdr.bridge.op, bank, hdr.result.s2);
+                elem_3.apply(hdr.bridge.job_index, hdr.data.i3, hdr.bridge.op, bank, hdr.result.s3);
+                elem_4.apply(hdr.bridge.job_index, hdr.data.i4, hdr.bridge.op, bank, hdr.result.s4);
+                elem_5.apply(hdr.bridge.job_index, hdr.data.i5, hdr.bridge.op, bank, hdr.result.s5);
+                elem_6.apply(hdr.bridge.job_index, hdr.data.i6, hdr.bridge.op, bank, hdr.result.s6);
+                elem_7.apply(hdr.bridge.job_index, hdr.data.i7, hdr.bridge.op, bank, hdr.result.s7);
+                elem_8.apply(hdr.bridge.job_index, hdr.data.i8, hdr.bridge.op, bank, hdr.result.s8);
+                elem_9.apply(hdr.bridge.job_index, hdr.data.i9, hdr.bridge.op, bank, hdr.result.s9);
+                elem_10.apply(hdr.bridge.job_index, hdr.data.i10, hdr.bridge.op, bank, hdr.result.s10);
+                elem_11.apply(hdr.bridge.job_index, hdr.data.i11, hdr.bridge.op, bank, hdr.result.s11);
+                elem_12.apply(hdr.bridge.job_index, hdr.data.i12, hdr.bridge.op, bank, hdr.result.s12);
+                elem_13.apply(hdr.bridge.job_index, hdr.data.i13, hdr.bridge.op, bank, hdr.result.s13);
+                elem_14.apply(hdr.bridge.job_index, hdr.data.i14, hdr.bridge.op, bank, hdr.result.s14);
+                elem_15.apply(hdr.bridge.job_index, hdr.data.i15, hdr.bridge.op, bank, hdr.result.s15);
+                elem_16.apply(hdr.bridge.job_index, hdr.data.i16, hdr.bridge.op, bank, hdr.result.s16);
+                elem_17.apply(hdr.bridge.job_index, hdr.data.i17, hdr.bridge.op, bank, hdr.result.s17);
+                elem_18.apply(hdr.bridge.job_index, hdr.data.i18, hdr.bridge.op, bank, hdr.result.s18);
+                elem_19.apply(hdr.bridge.job_index, hdr.data.i19, hdr.bridge.op, bank, hdr.result.s19);
+                elem_20.apply(hdr.bridge.job_index, hdr.data.i20, hdr.bridge.op, bank, hdr.result.s20);
+                elem_21.apply(hdr.bridge.job_index, hdr.data.i21, hdr.bridge.op, bank, hdr.result.s21);
+                elem_22.apply(hdr.bridge.job_index, hdr.data.i22, hdr.bridge.op, bank, hdr.result.s22);
+                elem_23.apply(hdr.bridge.job_index, hdr.data.i23, hdr.bridge.op, bank, hdr.result.s23);
             } else {
                 if (op == OP_READ) {
                     hdr.norm.value = 0;
