@@ -73,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", type=int, default=1, help="aggregator shards (ports PORT..PORT+P-1)")
     p.add_argument("--multicast", metavar="GROUP:PORT", help="results by IP multicast to this group")
     p.add_argument("--loss-policy", choices=("reliable", "zero-fill"), default="reliable")
-    p.add_argument("--timeout", type=float, default=0.05, help="least retransmit timeout, s (adapts to the RTT)")
+    p.add_argument("--timeout", type=float, default=0.05,
+                   help="retransmit timeout, s, until the round trip is measured "
+                        "(then 3 round trips, at least min(2 ms, this)); zero-fill: always this")
     p.add_argument("--deadline", type=float, default=10.0,
                    help="seconds without any answer from the aggregator before failing")
     p.add_argument("--no-error-feedback", action="store_true", help="disable THC's error feedback")

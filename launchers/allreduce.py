@@ -157,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-policy", choices=("reliable", "zero-fill"), default="reliable")
     p.add_argument("--drop-up", type=float, default=0.0, help="simulated loss of worker->aggregator packets")
     p.add_argument("--drop-down", type=float, default=0.0, help="simulated loss of aggregator->worker packets")
-    p.add_argument("--timeout", type=float, default=0.05, help="least retransmit timeout, s (adapts to the RTT)")
+    p.add_argument("--timeout", type=float, default=0.05,
+                   help="retransmit timeout, s, until the round trip is measured "
+                        "(then 3 round trips, at least min(2 ms, this)); zero-fill: always this")
     p.add_argument("--retries", type=int, default=3,
                    help="zero-fill: retransmissions before a chunk is given up (0: the paper's no-retransmission)")
     p.add_argument("--deadline", type=float, default=10.0, help="seconds without answer before giving up")

@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bind", default="0.0.0.0", help="local address to send from")
     ap.add_argument("--chunks", type=int, default=16, help="chunks of K indices to aggregate")
     ap.add_argument("--seed", type=int, default=0, help="seed of the indices (see worker_indices)")
-    ap.add_argument("--timeout", type=float, default=0.2, help="least retransmit timeout, s (adapts to the RTT)")
+    ap.add_argument("--timeout", type=float, default=0.2,
+                    help="retransmit timeout, s, until the round trip is measured "
+                         "(then 3 round trips, at least min(2 ms, this)); zero-fill: always this")
     ap.add_argument("--deadline", type=float, default=20.0, help="give up after this long without answers")
     ap.add_argument("--out", type=Path, help="write the JSON here instead of stdout")
     args = ap.parse_args(argv)

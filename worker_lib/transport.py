@@ -20,10 +20,13 @@ timeouts and retransmission, straggler notices, the deadline; each call gives it
 its uses, what to resend on a timeout, and how to accept an answer.
 
 When to resend and how many uses to keep in flight is the transport's ``Pacer``
-(``worker_lib/pacing.py``): under ``reliable`` the timeout follows the measured round trip (RFC 6298)
-so that a window queued behind a slow link is not sent again while it waits, and the window is a
-congestion window (AIMD) so that a window of large packets does not overflow a slow link's queue
-again and again; under ``zero-fill`` both stay fixed (``timeout``, W) so that the workers stay in step.
+(``worker_lib/pacing.py``): under ``reliable`` the timeout follows the measured round trip (3 times the
+lower quartile of clean round trips, floor ``min_timeout``) so that a window queued behind a slow link is
+not sent again while it waits, and a lost packet costs its use a few round trips, not a fixed 50 ms;
+each use backs its own timeout off (bounded), and the congestion window is cut only by a burst of
+losses (and stops growing while a queue grows), so that a
+window of large packets does not overflow a slow link's queue again and again while random loss leaves
+it open; under ``zero-fill`` both stay fixed (``timeout``, W) so that the workers stay in step.
 
 Usage::
 
@@ -74,13 +77,15 @@ class TransportConfig:
     aggregator: tuple[str, int] = ("127.0.0.1", 9451)
     shards: int = 1
     loss_policy: LossPolicy = "reliable"
-    timeout: float = 0.05  #: seconds before a use is retransmitted: the first, and the least, timeout
-    max_timeout: float = 2.0  #: the most the adaptive timeout grows to (with its backoff)
+    timeout: float = 0.05  #: seconds before a use is resent until a round trip is measured (zero-fill: always)
+    min_timeout: float = 0.002  #: the least adaptive timeout (floor of the measured one; at most ``timeout``)
+    max_timeout: float = 2.0  #: the most the adaptive timeout grows to (with a use's backoff)
+    max_backoff: int = 3  #: doublings of a use's timeout at most, one per resend (reliable policy)
     adaptive_timeout: bool = True  #: False (and zero-fill): always ``timeout`` (no RTT estimate, no backoff)
     retries: int = 3  #: zero-fill: retransmissions before a chunk is given up
     deadline: float = 10.0  #: seconds without any answer before AggregatorUnreachable
     window: int | None = None  #: uses in flight (default and maximum: the job's slots)
-    congestion_control: bool = True  #: AIMD congestion window below ``window`` (reliable policy only)
+    congestion_control: bool = True  #: a congestion window below ``window`` (reliable policy only; pacing.py)
     initial_window: int = 16  #: the congestion window's first size, in uses
     drop_up: float = 0.0  #: simulated loss of sent packets (seeded, for tests and experiments)
     drop_down: float = 0.0  #: simulated loss of received packets
@@ -100,8 +105,10 @@ class TransportConfig:
         for name in ("drop_up", "drop_down"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1)")
-        if self.timeout <= 0 or self.deadline <= 0:
-            raise ValueError("timeout and deadline must be positive")
+        if self.timeout <= 0 or self.deadline <= 0 or self.min_timeout <= 0:
+            raise ValueError("timeout, min_timeout and deadline must be positive")
+        if not 0 <= self.max_backoff <= 16:
+            raise ValueError(f"max_backoff must be in 0..16, got {self.max_backoff}")
         if self.max_timeout < self.timeout:
             raise ValueError(f"max_timeout {self.max_timeout} is below timeout {self.timeout}")
         if self.window is not None and not 1 <= self.window <= p.slots:
@@ -174,7 +181,8 @@ class Transport:
         self.pcap = PcapWriter(cfg.pcap) if cfg.pcap is not None else None
         # zero-fill keeps a fixed timeout and window: its workers must stay in step (see pacing.py)
         adapt = cfg.loss_policy == "reliable"
-        self.pacer = Pacer(timeout=cfg.timeout, max_timeout=cfg.max_timeout,
+        self.pacer = Pacer(timeout=cfg.timeout, min_timeout=min(cfg.min_timeout, cfg.timeout),
+                           max_timeout=cfg.max_timeout, max_backoff=cfg.max_backoff,
                            max_window=min(cfg.window or p.slots, p.slots), initial_window=cfg.initial_window,
                            adaptive_timeout=adapt and cfg.adaptive_timeout,
                            congestion_control=adapt and cfg.congestion_control)
@@ -385,11 +393,11 @@ class Transport:
                     self._send(data, int(slots[nxt]))
                 sent_at[nxt] = now
                 nxt += 1
-            # Resend or give up what timed out (every expiry backs the timeout off, see pacing.py).
-            rto = self.pacer.rto()
+            # Resend or give up what timed out (each resend backs that use's timeout off, see pacing.py).
+            rto = self.pacer.rto(tries[base:nxt])
             due = base + np.flatnonzero(~done[base:nxt] & (now - sent_at[base:nxt] >= rto))
             if due.size:
-                self.pacer.expired(now)
+                self.pacer.expired(now, int(due.size), first_sends=int(np.count_nonzero(tries[due] == 0)))
             for i in due.tolist():
                 if policy == "zero-fill" and tries[i] >= cfg.retries:
                     self._finish_lost(i, int(slots[i]), tensor, done, lost, by_slot)
@@ -409,9 +417,9 @@ class Transport:
                 base += 1
             if base >= count or (nxt < count and nxt < base + self.pacer.window()):
                 continue
-            pending = sent_at[base:nxt][~done[base:nxt]]
-            rto = self.pacer.rto()
-            wait = max(0.0, min(rto, float(pending.min()) + rto - now) if pending.size else 0.0)
+            open_ = ~done[base:nxt]
+            deadlines = sent_at[base:nxt][open_] + self.pacer.rto(tries[base:nxt][open_])
+            wait = max(0.0, float(deadlines.min()) - now) if deadlines.size else 0.0
             ready, _, _ = select.select(self.socks, [], [], max(wait, 0.0005))
             for sock in ready:
                 while True:
@@ -447,7 +455,7 @@ class Transport:
                         done[i] = True
                         if tries[i] == 0:
                             self.pacer.sample(last_answer - sent_at[i])
-                        self.pacer.answered()
+                        self.pacer.answered(last_answer)
                         by_slot.pop(h.slot, None)
                         self.stats.results += 1
                         if sock is not self.sock:
