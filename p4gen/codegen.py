@@ -125,6 +125,10 @@ class P4Geometry:
         """One instantiation of the per-element ``control`` per element, in element order."""
         return "\n".join(f"{control}() {self.element_instance(e)};" for e in range(self.elems))
 
+    def element_applies(self, args: str) -> str:
+        """Each element's apply line, in element order: ``args`` with ``{e}`` replaced by the element."""
+        return "\n".join(f"{self.element_instance(e)}.apply({args.format(e=e)});" for e in range(self.elems))
+
     @classmethod
     def add_arguments(cls, ap: argparse.ArgumentParser) -> None:
         """The generator CLI options of the shared fields, with this target's defaults."""

@@ -202,10 +202,8 @@ def _validate_keys() -> str:
     return "\n".join(f"{expr}: ternary;" for _, expr in VALIDATE_KEYS)
 
 
-def _element_apply(g: TofinoGeometry) -> str:
-    """Each element's ThcElement: job row, its index, the operation, the bank, its sum (RESULT field)."""
-    return "\n".join(f"{g.element_instance(e)}.apply(hdr.bridge.job_index, hdr.data.i{e}, hdr.bridge.op, bank, "
-                     f"hdr.result.s{e});" for e in range(g.elems))
+# Each element's ThcElement: job row, its index, the operation, the bank, its sum (RESULT field).
+ELEMENT_ARGS = "hdr.bridge.job_index, hdr.data.i{e}, hdr.bridge.op, bank, hdr.result.s{e}"
 
 
 def render(geometry: TofinoGeometry | None = None, template: str | None = None) -> str:
@@ -213,7 +211,8 @@ def render(geometry: TofinoGeometry | None = None, template: str | None = None) 
     g = geometry or TofinoGeometry()
     text = TEMPLATE.read_text() if template is None else template
     parts = {"@CONFIG@": _config(g), "@PAYLOAD_HEADERS@": _payload_headers(g),
-             "@ELEMENT_INSTANCES@": g.element_instances("ThcElement"), "@ELEMENT_APPLY@": _element_apply(g),
+             "@ELEMENT_INSTANCES@": g.element_instances("ThcElement"),
+             "@ELEMENT_APPLY@": g.element_applies(ELEMENT_ARGS),
              "@WORKER_BIT_ENTRIES@": _worker_bit_entries(), "@VALIDATE_KEYS@": _validate_keys(),
              "@VALIDATE_ENTRIES@": _validate_entries(g),
              "@VALIDATE_SIZE@": f"size = {len(validation_entries(validation_checks(g)))};"}
