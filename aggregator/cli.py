@@ -7,9 +7,18 @@ import logging
 import sys
 from pathlib import Path
 
+from aggregator.control import ControlAddress, ControlConfig, read_token
 from aggregator.server import AggregatorServer, ServerConfig
+from worker_lib.cli.args import float_in, int_in, log_level, port_number
 from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfigError, parse_job_spec
 from worker_lib.wire.layout import THC_UDP_PORT
+
+
+def _control_address(text: str) -> ControlAddress:
+    try:
+        return ControlAddress.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,46 +32,62 @@ def build_parser() -> argparse.ArgumentParser:
                "codec=topk10,length=65536,max_message=65536,workers=4,slots=4' (repeatable) or a TOML file "
                "(--config, reloaded on SIGHUP). SIGINT/SIGTERM stop cleanly.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    p.add_argument("--port", type=int, default=THC_UDP_PORT,
+    p.add_argument("--port", type=port_number, default=THC_UDP_PORT,
                    help=f"UDP port of shard 0 (shard i uses port+i); 0 picks a free range (default {THC_UDP_PORT})")
-    p.add_argument("--shards", type=int, default=1, help="processes; shard i owns slots s with s mod P == i")
+    p.add_argument("--shards", type=int_in(1, 64), default=1, help="processes; shard i owns slots s with s mod P == i")
     p.add_argument("--config", type=Path, help="TOML job file ([[job]] tables), reloaded on SIGHUP")
     p.add_argument("--job", action="append", default=[], metavar="SPEC", help="a job as key=value pairs")
     p.add_argument("--multicast", action="store_true",
                    help="send results once to each job's multicast group (job option multicast=GROUP:PORT)")
-    p.add_argument("--batch", type=int, default=256, help="datagrams per recvmmsg/sendmmsg (default 256)")
+    p.add_argument("--batch", type=int_in(1, 4096), default=256, help="datagrams per recvmmsg/sendmmsg (default 256)")
     p.add_argument("--busy-poll", action="store_true", help="spin on the socket instead of sleeping in select")
-    p.add_argument("--stats-interval", type=float, default=0.0, metavar="SECONDS",
+    p.add_argument("--stats-interval", type=float_in(0, 86400), default=0.0, metavar="SECONDS",
                    help="print packets/s, elements/s, drops, stragglers and completions every SECONDS")
-    p.add_argument("--metrics-port", type=int, help="export the counters for Prometheus on this TCP port")
-    p.add_argument("--control-port", type=int, metavar="PORT",
-                   help="UDP port (on --host) for text commands: 'add SPEC', 'remove ID', 'list', 'stats'")
+    p.add_argument("--metrics-port", type=port_number,
+                   help="export the counters for Prometheus on this TCP port (on --metrics-host)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the Prometheus endpoint (default: loopback only)")
+    p.add_argument("--control", metavar="PATH|HOST:PORT", type=_control_address,
+                   help="accept the commands 'add SPEC', 'remove ID', 'list', 'stats' (thc-control) on a Unix "
+                        "socket PATH (mode 0600) or a UDP HOST:PORT (port 0: any); an address off loopback "
+                        "needs --control-token-file")
+    p.add_argument("--control-token-file", type=Path, metavar="FILE",
+                   help="a file (chmod 600) whose first line is a shared token of >= 16 bytes; every "
+                        "command must then carry it (thc-control --token-file FILE)")
     p.add_argument("--pcap", type=Path, help="write every received and sent datagram to this pcap file")
-    p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    p.add_argument("--log-level", type=log_level, default="WARNING",
+                   help="DEBUG, INFO, WARNING (default), ERROR or CRITICAL")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         jobs = [parse_job_spec(s) for s in args.job]
+        control = None
+        if args.control is not None:
+            token = read_token(args.control_token_file) if args.control_token_file else None
+            control = ControlConfig(args.control, token)
+        elif args.control_token_file is not None:
+            raise ValueError("--control-token-file needs --control")
         cfg = ServerConfig(host=args.host, port=args.port, shards=args.shards, batch=args.batch,
                            multicast=args.multicast, busy_poll=args.busy_poll,
                            stats_interval=args.stats_interval, metrics_port=args.metrics_port,
-                           config_path=args.config, jobs=jobs, pcap=args.pcap, control_port=args.control_port)
+                           metrics_host=args.metrics_host, config_path=args.config, jobs=jobs, pcap=args.pcap,
+                           control=control)
         server = AggregatorServer(cfg, out=lambda s: print(s, flush=True))
     except (JobConfigError, ValueError) as exc:
         print(f"thc-aggregator: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"thc-aggregator: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
+        print(f"thc-aggregator: {exc}", file=sys.stderr)
         return 1
     server.install_signal_handlers()
     ids = ", ".join(f"{j.job} ({j.kind}{'/' + j.codec if j.codec else ''}, n={j.workers}, "
                     f"threshold={j.threshold}, K={j.elems}, S={j.slots})"
                     for j in server.jobs)
-    control = f" control={args.host}:{server.control_port}" if server.control_port is not None else ""
+    control = f" control={server.control.address}" if server.control is not None else ""
     print(f"thc-aggregator listening on {args.host}:{server.port} shards={args.shards}{control} jobs: {ids}",
           flush=True)
     server.serve()

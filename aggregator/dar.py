@@ -86,6 +86,14 @@ class DarJobState:
         self.cpu_ns_last = 0
 
 
+
+def preload_codecs(jobs: Iterable[JobConfig]) -> None:
+    """Import the codecs (torch) when a job is a dar job: called off the packet loop, before the job is
+    handed to it, so that its first packet does not wait seconds for the import."""
+    if any(j.kind == "dar" for j in jobs):
+        import worker_lib.codecs  # noqa: F401
+
+
 @dataclass
 class DarSend:
     """Datagrams to send: rows ``rows`` of ``buf`` (``lengths`` bytes each), either to every worker of

@@ -2,7 +2,7 @@
 
 ``AggregatorServer`` binds one UDP port per shard and runs the shards (``aggregator.shard``: one
 process each when there are several, counters in shared memory), handles signals (SIGINT/SIGTERM stop,
-SIGHUP reloads the job file), the control port (``aggregator.control``) and what is shown of the
+SIGHUP reloads the job file), the control socket (``aggregator.control``) and what is shown of the
 counters (``aggregator.metrics``: Prometheus, the statistics line).
 """
 
@@ -11,16 +11,19 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import os
 import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from types import FrameType
 
 import numpy as np
 
-from aggregator.control import ControlChannel
+from aggregator.control import ControlChannel, ControlConfig
+from aggregator.dar import preload_codecs
 from aggregator.engine import DEFAULT_STRIDE
 from aggregator.metrics import StatsLine, start_metrics
 from aggregator.shard import Shard, bind_shards, shard_process
@@ -43,11 +46,12 @@ class ServerConfig:
     busy_poll: bool = False
     stats_interval: float = 0.0
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"  #: the Prometheus endpoint's address: loopback unless asked
     config_path: Path | None = None
     jobs: list[JobConfig] = field(default_factory=list)
     pcap: Path | None = None
     poll_timeout: float = 0.05
-    control_port: int | None = None  #: UDP port for text commands (add SPEC, remove ID, list, stats); 0: any
+    control: ControlConfig | None = None  #: the control socket (aggregator.control); None: no control
 
     def __post_init__(self) -> None:
         if not 1 <= self.shards <= 64:
@@ -56,6 +60,25 @@ class ServerConfig:
             raise ValueError(f"batch must be in 1..4096, got {self.batch}")
         if self.stats_interval < 0:
             raise ValueError("stats_interval must be >= 0")
+
+
+class _Loader:
+    """``load()`` run in a thread: ``done`` once it returned, ``result`` the jobs or the error raised."""
+
+    def __init__(self, load: Callable[[], list[JobConfig]]) -> None:
+        self.result: list[JobConfig] | ValueError | OSError | None = None
+        self._thread = threading.Thread(target=self._run, args=(load,), name="thc-reload", daemon=True)
+        self._thread.start()
+
+    def _run(self, load: Callable[[], list[JobConfig]]) -> None:
+        try:
+            self.result = load()
+        except (ValueError, OSError) as exc:  # a bad or unreadable file: reported, the jobs kept
+            self.result = exc
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
 
 
 class AggregatorServer:
@@ -72,11 +95,16 @@ class AggregatorServer:
         self.dar_counters = np.zeros((cfg.shards, len(DarCounter)), np.int64)
         self._stop = threading.Event()
         self._reload = threading.Event()
-        self._metrics = None
-        self.control = ControlChannel(cfg.host, cfg.control_port) if cfg.control_port is not None else None
-        self.control_port = self.control.port if self.control is not None else None
+        self._loader: _Loader | None = None
+        if cfg.pcap is not None and not os.access(cfg.pcap.parent, os.W_OK):
+            raise OSError(f"cannot write the pcap file {cfg.pcap}: {cfg.pcap.parent} is not a writable directory")
+        self._metrics = self._start_metrics() if cfg.metrics_port is not None else None
+        if cfg.control is not None:  # a dar job may be added at any time: load its codecs (torch) now, not
+            import worker_lib.codecs  # noqa: F401  # while packets wait (seconds holding the GIL)
+        self.control = ControlChannel(cfg.control, lambda: self.jobs, self.totals) if cfg.control else None
 
     def _load_jobs(self) -> list[JobConfig]:
+        """--job's jobs, replaced by the config file's where the ids are the same."""
         jobs = {j.job: j for j in self.cfg.jobs}
         if self.cfg.config_path is not None:
             for j in load_jobs(self.cfg.config_path):
@@ -84,6 +112,12 @@ class AggregatorServer:
         if not jobs:
             jobs[1] = JobConfig()
         return list(jobs.values())
+
+    def _reload_jobs(self) -> list[JobConfig]:
+        """_load_jobs, then the codecs its dar jobs need (in the reload thread, not the packet loop)."""
+        jobs = self._load_jobs()
+        preload_codecs(jobs)
+        return jobs
 
     def stop(self) -> None:
         self._stop.set()
@@ -101,29 +135,35 @@ class AggregatorServer:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
 
-    def _do_reload(self) -> list[JobConfig] | None:
-        self._reload.clear()
-        try:
-            jobs = self._load_jobs()
-        except ValueError as exc:
-            log.error("reload refused, keeping the current jobs: %s", exc)
-            self.out(f"reload refused: {exc}")
+    def _poll_reload(self) -> list[JobConfig] | None:
+        """Start a requested reload in a thread (reading the file solves every job's table: seconds for a
+        large granularity, which must not stall the packets); the new job list once it is ready."""
+        if self._reload.is_set() and self._loader is None:
+            self._reload.clear()
+            self._loader = _Loader(self._reload_jobs)
+        if self._loader is None or not self._loader.done:
             return None
-        self.jobs = jobs
-        self.out(f"reloaded: jobs {sorted(j.job for j in jobs)}")
-        return jobs
+        loaded, self._loader = self._loader, None
+        if isinstance(loaded.result, (ValueError, OSError)):
+            log.error("reload refused, keeping the current jobs: %s", loaded.result)
+            self.out(f"reload refused: {loaded.result}")
+            return None
+        self.jobs = loaded.result
+        self.out(f"reloaded: jobs {sorted(j.job for j in self.jobs)}")
+        return self.jobs
 
     def _poll_control(self) -> list[JobConfig] | None:
-        """Answer waiting control commands; the new job list if one changed it (a later SIGHUP reload
-        replaces the job set with the file's and --job's)."""
+        """Apply the job changes the control thread has prepared; the new job list if one changed it (a
+        later SIGHUP reload replaces the job set with the file's and --job's)."""
         if self.control is None:
             return None
-        jobs = self.control.poll(self.jobs, self.totals)
-        if jobs is None:
+        changed: list[list[JobConfig]] = []
+        self.control.apply(self.jobs, changed.append)
+        if not changed:
             return None
-        self.jobs = jobs
-        self.out(f"control: jobs {sorted(j.job for j in jobs)}")
-        return jobs
+        self.jobs = changed[0]
+        self.out(f"control: jobs {sorted(j.job for j in self.jobs)}")
+        return self.jobs
 
     def totals(self) -> dict[str, int]:
         """Counter totals over the shards: the state machine's, then the DAR path's as ``dar_<name>``."""
@@ -131,15 +171,14 @@ class AggregatorServer:
         dar = self.dar_counters.sum(axis=0)
         out = {c.label: int(tot[c]) for c in Counter}
         out.update({f"dar_{c.label}": int(dar[c]) for c in DarCounter})
+        if self.control is not None:
+            out.update(self.control.counts)
         return out
 
     def serve(self) -> None:
         """Run until stop() or SIGINT/SIGTERM."""
-        cfg = self.cfg
-        if cfg.metrics_port is not None:
-            self._start_metrics()
         try:
-            if cfg.shards == 1:
+            if self.cfg.shards == 1:
                 self._serve_single()
             else:
                 self._serve_sharded()
@@ -153,11 +192,13 @@ class AggregatorServer:
 
     def _serve_single(self) -> None:
         sh = Shard(self.cfg, self.socks[0], 0, self.jobs, self.counters[0], self.dar_counters[0])
+        if self.control is not None:
+            self.control.start()
         stats = StatsLine(self.cfg.stats_interval, self.counters, self.dar_counters, self.out)
         try:
             while not self._stop.is_set():
                 sh.step(self.cfg.poll_timeout)
-                jobs = self._do_reload() if self._reload.is_set() else None
+                jobs = self._poll_reload()
                 jobs = self._poll_control() or jobs
                 if jobs is not None:
                     sh.set_jobs(jobs)
@@ -181,10 +222,12 @@ class AggregatorServer:
             p.start()
             procs.append(p)
             conns.append(parent)
+        if self.control is not None:
+            self.control.start()
         stats = StatsLine(cfg.stats_interval, self.counters, self.dar_counters, self.out)
         try:
             while not self._stop.wait(0.05):
-                jobs = self._do_reload() if self._reload.is_set() else None
+                jobs = self._poll_reload()
                 jobs = self._poll_control() or jobs
                 if jobs is not None:
                     for c in conns:
@@ -201,6 +244,10 @@ class AggregatorServer:
                     p.terminate()
                     p.join(timeout=1)
 
-    def _start_metrics(self) -> None:
-        self._metrics = start_metrics(self.cfg.host, self.cfg.metrics_port, lambda: self.counters,
-                                      lambda: self.dar_counters)
+    def _start_metrics(self) -> ThreadingHTTPServer:
+        try:
+            return start_metrics(self.cfg.metrics_host, self.cfg.metrics_port, lambda: self.counters,
+                                 lambda: self.dar_counters)
+        except OSError as exc:
+            raise OSError(f"cannot serve metrics on TCP {self.cfg.metrics_host}:{self.cfg.metrics_port}: "
+                          f"{exc.strerror or exc}") from None

@@ -37,7 +37,17 @@ log = logging.getLogger(__name__)
 def bind_shards(host: str, port: int, shards: int, attempts: int = 50) -> list[socket.socket]:
     """Bind ``shards`` consecutive UDP ports from ``port`` (port 0: any free consecutive range)."""
     if port != 0:
-        return [udp_socket(host, port + i) for i in range(shards)]
+        if port + shards > 65536:
+            raise OSError(f"{shards} shards from UDP port {port} run past port 65535")
+        socks: list[socket.socket] = []
+        try:
+            for i in range(shards):
+                socks.append(udp_socket(host, port + i))
+        except OSError as exc:
+            for s in socks:
+                s.close()
+            raise OSError(f"cannot bind UDP {host}:{port + len(socks)}: {exc.strerror or exc}") from None
+        return socks
     for _ in range(attempts):
         first = udp_socket(host, 0)
         base = first.getsockname()[1]

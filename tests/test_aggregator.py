@@ -4,11 +4,13 @@ configuration errors, pcap."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -244,31 +246,134 @@ def _alive(pid: int) -> bool:
 
 
 def test_control_commands_add_list_remove() -> None:
-    """The control port adds and removes jobs at runtime, lists them, and reports counters."""
+    """The control socket adds and removes jobs at runtime, lists them, and reports counters."""
+    from aggregator.control import ControlAddress, send_command
+    from worker_lib.transport import AggregatorUnreachable
+
     cfg = JobConfig(job=12, key=0x1212, workers=1, slots=4, elems=K)
-    with aggregator("--control-port", "0", "--job", spec(JobConfig(job=11, key=0x11, workers=1, slots=4, elems=K))) \
-            as (proc, port):
-        ctrl_port = int(proc.first_line.split("control=")[1].split()[0].rsplit(":", 1)[1])
-        c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        c.settimeout(3)
+    first = JobConfig(job=11, key=0x11, workers=1, slots=4, elems=K)
+    with aggregator("--control", "127.0.0.1:0", "--job", spec(first)) as (proc, port):
+        ctl = ControlAddress.parse(proc.first_line.split("control=")[1].split()[0])
 
         def ask(text: str) -> str:
-            c.sendto(text.encode(), ("127.0.0.1", ctrl_port))
-            return c.recv(65536).decode()
+            return send_command(ctl, text)
 
         assert ask(f"add {spec(cfg)}") == "ok: job 12 configured"
         assert norm_roundtrip(port, cfg) == 2.5
-        import json
-
         assert sorted(j["job"] for j in json.loads(ask("list"))) == [11, 12]
         assert json.loads(ask("stats"))["completed"] == 1
         assert ask("remove 12") == "ok: job 12 removed"
         assert ask("remove 12").startswith("error: no job 12")
         assert ask("add workers=99").startswith("error: job 1: workers must be in 1..32")
         assert ask("frobnicate").startswith("error: unknown command")
-        c.close()
-        from worker_lib.transport import AggregatorUnreachable
-
         with pytest.raises(AggregatorUnreachable):
             norm_roundtrip(port, cfg, deadline=0.3)
 
+
+def test_control_and_reload_never_stall_a_running_job(tmp_path: Path) -> None:
+    """While job 11 exchanges without pause, a job whose table takes seconds to solve is added over
+    the control socket, a dar job is added, one is removed, and a config file with another slow table
+    is reloaded: no gap between answers grows beyond a fraction of a second."""
+    from aggregator.control import ControlAddress, send_command
+
+    cfg = JobConfig(job=11, key=0x11, workers=1, slots=4, elems=K)
+    path = tmp_path / "jobs.toml"
+    path.write_text(f"[[job]]\njob = 11\nkey = {cfg.key}\nworkers = 1\nslots = 4\nelems = {K}\n")
+    sock = tmp_path / "ctl.sock"
+    with aggregator("--control", str(sock), "--config", str(path)) as (proc, port):
+        stamps: list[float] = []
+        stop = threading.Event()
+
+        def exchange() -> None:
+            with Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), deadline=5)) as tr:
+                while not stop.is_set():
+                    tr.exchange_norm(2.5)
+                    stamps.append(time.monotonic())
+
+        t = threading.Thread(target=exchange)
+        t.start()
+        try:
+            time.sleep(0.3)
+            ctl = ControlAddress(path=str(sock))
+            t0 = time.monotonic()
+            slow = "job=12,key=0x12,workers=2,granularity=3000,bits=8,slots=8,elems=1024,mtu=9000"
+            assert send_command(ctl, f"add {slow}", timeout=60) == "ok: job 12 configured"
+            solve_s = time.monotonic() - t0
+            dar = "job=13,key=0x13,kind=dar,codec=topk10,length=4096,max_message=32768,workers=2,slots=2"
+            assert send_command(ctl, f"add {dar}", timeout=60) == "ok: job 13 configured"
+            assert send_command(ctl, "remove 12") == "ok: job 12 removed"
+            path.write_text(path.read_text() + "[[job]]\njob = 14\nworkers = 2\ngranularity = 2900\nbits = 8\n"
+                            "slots = 8\nelems = 1024\nmtu = 9000\n")
+            proc.send_signal(signal.SIGHUP)
+            lines = [proc.stdout.readline() for _ in range(4)]
+            assert lines[-1].startswith("reloaded: jobs [11, 14]"), lines
+            time.sleep(0.2)
+        finally:
+            stop.set()
+            t.join()
+    gaps = np.diff(stamps)
+    assert solve_s > 0.5, f"the added job solved in {solve_s:.2f} s: too fast to show a stall"
+    assert len(stamps) > 100 and gaps.max() < 0.25, f"largest gap {gaps.max():.3f} s while adding {solve_s:.1f} s"
+
+
+def test_control_socket_is_private_and_token_checked(tmp_path: Path) -> None:
+    """--control PATH is a 0600 Unix socket; with --control-token-file, thc-control needs the token;
+    list never shows a job's key; an off-loopback address without a token is refused at startup."""
+    import stat as stat_mod
+
+    secret = JobConfig(job=11, key=0x5EC2E7, workers=1, slots=4, elems=K)
+    tok = tmp_path / "tok"
+    tok.write_text("0123456789abcdef01\n")
+    tok.chmod(0o600)
+    sock = tmp_path / "ctl.sock"
+    with aggregator("--control", str(sock), "--control-token-file", str(tok), "--job", spec(secret)) as (proc, port):
+        assert f"control=unix:{sock}" in proc.first_line
+        assert stat_mod.S_IMODE(sock.stat().st_mode) == 0o600
+        ctl = [sys.executable, "-m", "aggregator.control_cli", str(sock)]
+        r = subprocess.run([*ctl, "list"], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 1 and r.stderr.strip() == \
+            "thc-control: the aggregator refused the command: bad or missing token (--token-file)"
+        r = subprocess.run([*ctl, "--token-file", str(tok), "list"], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0 and '"job": 11' in r.stdout
+        assert str(secret.key) not in r.stdout + proc.first_line and hex(secret.key) not in r.stdout
+        r = subprocess.run([*ctl, "--token-file", str(tok), "remove", "9"], capture_output=True, text=True,
+                           timeout=30)
+        assert r.returncode == 1 and r.stdout.strip() == "error: no job 9"
+        assert norm_roundtrip(port, secret) == 2.5
+    assert not sock.exists()
+    r = subprocess.run([sys.executable, "-m", "aggregator.cli", "--port", "0", "--control", "0.0.0.0:0"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "needs" not in r.stderr and "--control-token-file" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--port", "70000"], "--port: must be in 0..65535, got 70000"),
+    (["--port", "-1"], "--port: must be in 0..65535, got -1"),
+    (["--port", "http"], "--port: expected an integer, got 'http'"),
+    (["--shards", "0"], "--shards: must be in 1..64, got 0"),
+    (["--port", "65535", "--shards", "2"], "2 shards from UDP port 65535 run past port 65535"),
+    (["--batch", "100000"], "--batch: must be in 1..4096"),
+    (["--stats-interval", "-1"], "--stats-interval: must be in 0..86400"),
+    (["--stats-interval", "nan"], "--stats-interval: must be in 0..86400"),
+    (["--metrics-port", "99999"], "--metrics-port: must be in 0..65535"),
+    (["--log-level", "loud"], "--log-level: expected one of DEBUG"),
+    (["--control", "9500"], "--control: control address '9500'"),
+    (["--control-token-file", "/nonexistent"], "--control-token-file needs --control"),
+    (["--control", "127.0.0.1:0", "--control-token-file", "/nonexistent"], "No such file"),
+    (["--job", "workers=0"], "workers must be in 1..32"),
+    (["--job", "bits=9"], "bits must be an integer in 1..8"),
+    (["--job", "granularity=99999"], "granularity above"),
+    (["--job", "key=-1"], "key must be a 32-bit unsigned integer"),
+    (["--job", "slots=0"], "slots"),
+    (["--job", "p=2"], "p"),
+    (["--job", "job=99999999999"], "job"),
+    (["--host", "10.255.255.1"], "cannot bind UDP 10.255.255.1"),
+    (["--pcap", "/nonexistent/a.pcap"], "cannot write the pcap file"),
+])
+def test_every_bad_cli_input_is_one_line(argv: list[str], says: str) -> None:
+    """Out-of-range and malformed options and job specs: one line on stderr, no traceback, exit 1 or 2."""
+    r = subprocess.run([sys.executable, "-m", "aggregator.cli", *argv], capture_output=True, text=True, timeout=30)
+    lines = [ln for ln in r.stderr.splitlines() if not ln.startswith("usage:") and not ln.startswith("  ")]
+    assert r.returncode in (1, 2) and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
+    assert says in lines[0], lines[0]

@@ -53,7 +53,7 @@ def dar_spec(codec: str, workers: int, *, slots: int = 2, elems: int | None = No
 @contextlib.contextmanager
 def aggregator(*args: str) -> Iterator[tuple[subprocess.Popen, int, int]]:
     """thc-aggregator on free loopback ports (data, control); always stopped (then killed)."""
-    proc = subprocess.Popen([sys.executable, "-m", "aggregator.cli", "--port", "0", "--control-port", "0", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "aggregator.cli", "--port", "0", "--control", "127.0.0.1:0", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()

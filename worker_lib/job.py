@@ -63,7 +63,7 @@ class JobConfig:
     """
 
     job: int = DEFAULT_JOB_ID
-    key: int = DEFAULT_KEY
+    key: int = field(default=DEFAULT_KEY, repr=False)  #: a shared secret: never logged or listed
     workers: int = 4
     threshold: int | None = None
     kind: JobKind = "thc"

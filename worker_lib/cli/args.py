@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from worker_lib.thc.table import parse_fraction
 
@@ -13,3 +14,47 @@ def fraction(text: str) -> float:
         return parse_fraction(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: an integer (decimal or 0x hex) in lo..hi, else one clear line."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 0)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}, got {value}")
+        return value
+
+    parse.__name__ = f"integer in {lo}..{hi}"
+    return parse
+
+
+def float_in(lo: float, hi: float) -> Callable[[str], float]:
+    """An argparse type: a finite number in lo..hi, else one clear line."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo:g}..{hi:g}, got {text}")
+        return value
+
+    parse.__name__ = f"number in {lo:g}..{hi:g}"
+    return parse
+
+
+#: A TCP or UDP port; 0 asks the kernel for a free one.
+port_number = int_in(0, 65535)
+
+
+def log_level(text: str) -> str:
+    """An argparse type: a logging level name (DEBUG, INFO, WARNING, ERROR, CRITICAL)."""
+    names = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+    if text.upper() not in names:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(names)}, got {text!r}")
+    return text.upper()

