@@ -92,6 +92,8 @@ class Shard:
         if dar_counters is not None:
             self.dar.counters = dar_counters
         self.addrs: dict[int, WorkerAddresses] = {}
+        #: per job taught a new address by the current batch: (addresses and known before it, its rows, workers)
+        self._moves: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
         self.set_jobs(jobs)
         self.pcap = None
         if cfg.pcap is not None:
@@ -136,8 +138,15 @@ class Shard:
         if not self.cfg.busy_poll and not io.wait(timeout):
             return 0
         n = io.recv()
-        if n == 0:
-            return 0
+        if n:
+            self.handle_batch(n)
+        return n
+
+    def handle_batch(self, n: int) -> None:
+        """Process and answer the ``n`` datagrams in ``io.rx`` (sources in ``io.rx_addr``): the same
+        datagrams to the same addresses as handling them one at a time, in order."""
+        io = self.io
+        self._moves.clear()
         if self.pcap is not None:
             for i in range(n):
                 self.pcap.write(sockaddr_to_tuple(io.rx_addr[i]), self.local, io.rx[i, : io.rx_len[i]].tobytes())
@@ -147,8 +156,8 @@ class Shard:
             good = self.agg.last_good
             self._learn(good, self.agg.last_job[good], self.agg.last_worker[good])
             if out.count:
-                self._send(out, io.rx_addr)
-            return n
+                self._send(out, np.arange(n))
+            return
         dar_rows = np.flatnonzero(is_dar)
         rest = np.flatnonzero(~is_dar)
         self.agg.counters[Counter.RX] += dar_rows.size  # rx counts every datagram; the rest add theirs
@@ -157,17 +166,19 @@ class Shard:
             good = self.agg.last_good
             self._learn(rest[good], self.agg.last_job[good], self.agg.last_worker[good])
             if out.count:
-                self._send(out, io.rx_addr[rest])
+                self._send(out, rest)
         sub = io.rx[:n] if rest.size == 0 else np.ascontiguousarray(io.rx[dar_rows])
         dout = self.dar.process(sub, io.rx_len[dar_rows])
         if dout.good_rows:
             self._learn(dar_rows[dout.good_rows], np.asarray(dout.good_jobs), np.asarray(dout.good_workers))
         if dout.sends:
-            self._send_dar(dout, io.rx_addr[dar_rows])
-        return n
+            self._send_dar(dout, dar_rows)
 
     def _learn(self, rows: np.ndarray, jobs: np.ndarray, workers: np.ndarray) -> None:
-        """Remember the source address of worker ``workers[k]`` of job ``jobs[k]`` (rx row ``rows[k]``)."""
+        """Remember the source address of worker ``workers[k]`` of job ``jobs[k]`` (rx row ``rows[k]``,
+        ascending). Where the batch teaches a job a new address, the table before the batch and the
+        batch's teaching rows are kept (``_moves``), so that each completion goes to the addresses
+        known when its packet arrived, as one by one."""
         if rows.size == 0:
             return
         for j in np.unique(jobs).tolist():
@@ -175,23 +186,41 @@ class Shard:
             tab = self.addrs.get(j)
             if tab is None:
                 continue
-            w = workers[sel]
-            tab.addr[w] = self.io.rx_addr[rows[sel]]
-            tab.known[w] = True
+            r, w = rows[sel], workers[sel]
+            a = self.io.rx_addr[r]
+            if (~tab.known[w]).any() or (tab.addr[w] != a).any():
+                self._moves[j] = (tab.addr.copy(), tab.known.copy(), r, w)
+                for row, wk in zip(r.tolist(), w.tolist(), strict=True):  # in order: the last one stays
+                    tab.addr[wk] = self.io.rx_addr[row]
+                    tab.known[wk] = True
 
-    def _destinations(self, job: int) -> np.ndarray | None:
-        """Addresses a completion of ``job`` goes to: its multicast group, or its known workers."""
+    def _destinations(self, job: int, row: int) -> np.ndarray | None:
+        """Addresses a completion of ``job`` caused by rx row ``row`` goes to: its multicast group, or
+        the workers whose addresses were known once that row had been learned."""
         tab = self.addrs.get(job)
         if tab is None:
             return None
-        dests = tab.group if (self.cfg.multicast and tab.group is not None) else tab.addr[tab.known]
+        if self.cfg.multicast and tab.group is not None:
+            return tab.group
+        moves = self._moves.get(job)
+        if moves is None:
+            dests = tab.addr[tab.known]
+        else:
+            addr, known, rows, workers = moves
+            addr, known = addr.copy(), known.copy()
+            k = int(np.searchsorted(rows, row, side="right"))
+            for r, w in zip(rows[:k].tolist(), workers[:k].tolist(), strict=True):
+                addr[w] = self.io.rx_addr[r]
+                known[w] = True
+            dests = addr[known]
         return dests if len(dests) else None
 
-    def _send_dar(self, out: DarOutputs, src_addr: np.ndarray) -> None:
-        """Send the DAR path's datagrams (result fragments fanned out, unicast answers to senders)."""
+    def _send_dar(self, out: DarOutputs, rx_rows: np.ndarray) -> None:
+        """Send the DAR path's datagrams (result fragments fanned out, unicast answers to senders);
+        ``rx_rows[i]`` is the rx row of the DAR path's input row i."""
         for snd in out.sends:
             if snd.fanout:
-                dests = self._destinations(snd.job)
+                dests = self._destinations(snd.job, int(rx_rows[snd.src]))
                 if dests is None:
                     continue
                 rows = np.repeat(snd.rows, len(dests))
@@ -199,14 +228,15 @@ class Shard:
                 addrs = np.tile(dests, (snd.rows.size, 1))
             else:
                 rows, lengths = snd.rows, snd.lengths
-                addrs = np.repeat(src_addr[snd.src][None, :], snd.rows.size, axis=0)
+                addrs = np.repeat(self.io.rx_addr[rx_rows[snd.src]][None, :], snd.rows.size, axis=0)
             self.io.send(snd.buf, rows, lengths, addrs)
             if self.pcap is not None:
                 for r, a, ln in zip(rows.tolist(), addrs, lengths.tolist(), strict=True):
                     self.pcap.write(self.local, sockaddr_to_tuple(a), snd.buf[r, :ln].tobytes())
 
-    def _send(self, out: Outputs, src_addr: np.ndarray) -> None:
-        """Send the engine's outputs: completions to the job's destinations, answers to their senders."""
+    def _send(self, out: Outputs, rx_rows: np.ndarray) -> None:
+        """Send the engine's outputs: completions to the job's destinations, answers to their senders;
+        ``rx_rows[i]`` is the rx row of the engine's input row i."""
         m = out.count
         fan = out.fanout[:m]
         rows_l: list[np.ndarray] = []
@@ -214,17 +244,21 @@ class Shard:
         uni = np.flatnonzero(~fan)
         if uni.size:
             rows_l.append(uni)
-            addr_l.append(src_addr[out.src[uni]])
+            addr_l.append(self.io.rx_addr[rx_rows[out.src[uni]]])
         fo = np.flatnonzero(fan)
         if fo.size:
             jobs = out.job[fo]
             for j in np.unique(jobs).tolist():
                 ms = fo[jobs == j]
-                dests = self._destinations(j)
-                if dests is None:
-                    continue
-                rows_l.append(np.repeat(ms, len(dests)))
-                addr_l.append(np.tile(dests, (ms.size, 1)))
+                # One destination set for all of a job's completions, unless this batch taught the job
+                # an address: then each completion gets the set known at its own packet.
+                groups = [ms] if j not in self._moves else [ms[i:i + 1] for i in range(ms.size)]
+                for g in groups:
+                    dests = self._destinations(j, int(rx_rows[out.src[g[-1]]]))
+                    if dests is None:
+                        continue
+                    rows_l.append(np.repeat(g, len(dests)))
+                    addr_l.append(np.tile(dests, (g.size, 1)))
         if not rows_l:
             return
         rows = np.concatenate(rows_l)

@@ -1,0 +1,136 @@
+"""A shard answers a burst exactly as it answers the same datagrams one at a time (issue: batch = one
+by one). The engine's differential fuzz (test_fuzz.py) holds its *outputs* to the reference; this
+holds the shard's *deliveries* (which bytes go to which address), where a batch's address learning
+meets its completions: a worker whose first packet (or new address) comes after the completing packet
+in the same batch must get only its retained result, as it would one by one."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aggregator.io import sockaddr_in
+from aggregator.server import ServerConfig
+from aggregator.shard import Shard
+from tests.test_fuzz import CFG, UNCOMPRESSED, _damaged, _uncompressed_wire, _wire, damage, packet
+from worker_lib.job import JobConfig
+from worker_lib.wire import Header, PacketType
+from worker_lib.wire.protocol import DarCounter
+
+SOURCES = [sockaddr_in("127.0.0.1", 40000 + i) for i in range(5)]
+
+
+class Recorded:
+    """A Shard on a loopback socket whose datagrams are fed directly and whose sends are recorded."""
+
+    def __init__(self, jobs: list[JobConfig]) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.shard = Shard(ServerConfig(port=0, batch=64, jobs=jobs), self.sock, 0, jobs)
+        self.sent: list[tuple[bytes, bytes]] = []
+        self.shard.io.send = self._record  # type: ignore[method-assign]
+
+    def _record(self, buf: np.ndarray, rows: np.ndarray, lengths: np.ndarray, addrs: np.ndarray) -> int:
+        for r, ln, a in zip(rows.tolist(), lengths.tolist(), addrs, strict=True):
+            self.sent.append((a.tobytes(), buf[r, :ln].tobytes()))
+        return len(rows)
+
+    def feed(self, datagrams: list[tuple[bytes, bytes]]) -> None:
+        """One receive batch: (source sockaddr_in, bytes) per datagram."""
+        io = self.shard.io
+        for i, (src, data) in enumerate(datagrams):
+            io.rx[i, :len(data)] = np.frombuffer(data, np.uint8)
+            io.rx_len[i] = len(data)
+            io.rx_addr[i] = np.frombuffer(src, np.uint8)
+        self.shard.handle_batch(len(datagrams))
+
+    def close(self) -> None:
+        self.shard.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Recorded, Recorded]]:
+    a, b = Recorded([CFG, UNCOMPRESSED]), Recorded([CFG, UNCOMPRESSED])
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _deliveries(a: Recorded) -> list[tuple[bytes, bytes]]:
+    return sorted(a.sent)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(packet, damage, st.booleans(), st.integers(0, len(SOURCES) - 1)), min_size=1, max_size=48),
+       st.integers(2, 48))
+def test_bursts_deliver_what_one_by_one_delivers(pair: tuple[Recorded, Recorded], items: list, burst: int) -> None:
+    """First contacts, completions, resends, stale rounds, workers changing address, damaged packets,
+    two jobs: fed in bursts (vectorized paths) or one at a time, the same datagrams reach the same
+    addresses and the counters agree."""
+    one, bursts = pair
+    one.sent.clear()
+    bursts.sent.clear()
+    one.shard.set_jobs([])
+    bursts.shard.set_jobs([])  # a fresh state machine and address table per example
+    one.shard.set_jobs([CFG, UNCOMPRESSED])
+    bursts.shard.set_jobs([CFG, UNCOMPRESSED])
+    one.shard.agg.counters[:] = 0
+    bursts.shard.agg.counters[:] = 0
+    datagrams = [(SOURCES[src], _damaged(_wire(p) if thc else _uncompressed_wire(p), dmg))
+                 for p, dmg, thc, src in items]
+    for d in datagrams:
+        one.feed([d])
+    for start in range(0, len(datagrams), burst):
+        bursts.feed(datagrams[start:start + burst])
+    assert _deliveries(bursts) == _deliveries(one)
+    assert bursts.shard.agg.counters.tolist() == one.shard.agg.counters.tolist()
+
+
+def test_first_contact_after_the_completion_gets_only_the_retained_result(pair: tuple[Recorded, Recorded]) -> None:
+    """The case that was wrong: workers 0 and 1 complete slot 0 (threshold 2), then worker 2's first
+    packet arrives in the same batch. One by one, worker 2 gets one result (the retained copy); the
+    burst used to fan the completion out to it as well."""
+    one, burst = pair
+    cfg = CFG
+    data = [(SOURCES[w], Header(**cfg.request_fields(PacketType.DATA, worker=w, slot=0, round=1))
+             .pack(bytes(cfg.elems * cfg.bits // 8))) for w in range(3)]
+    for d in data:
+        one.feed([d])
+    burst.feed(data)
+    to_w2 = [pkt for addr, pkt in burst.sent if addr == SOURCES[2]]
+    assert len(to_w2) == 1 and Header.unpack_from(to_w2[0]).type == PacketType.RESULT
+    assert _deliveries(burst) == _deliveries(one)
+    assert [a for a, _ in sorted(burst.sent)] == sorted([SOURCES[0], SOURCES[1], SOURCES[2]])
+
+
+def test_dar_burst_delivers_what_one_by_one_delivers() -> None:
+    """A dar job (n = 3, threshold 2): workers 0 and 1 complete the round, worker 2's first fragments
+    follow in the same batch, from a new address; then worker 0 resends from another address. Burst
+    and one by one deliver the same fragments to the same addresses."""
+    from tests.test_dar import dar_spec, fragments, messages
+    from worker_lib.job import parse_job_spec
+
+    cfg = parse_job_spec(dar_spec("natural", 3, slots=1, elems=300) + ",threshold=2")
+    msgs = messages("natural", 3, uses=1, seed=3)[0]
+    frags = [fragments(cfg, msgs[w], w) for w in range(3)]
+    datagrams = [(SOURCES[w], f) for w in range(3) for f in frags[w]] + [(SOURCES[4], frags[0][0])]
+    one, burst = Recorded([cfg]), Recorded([cfg])
+    try:
+        for d in datagrams:
+            one.feed([d])
+        burst.feed(datagrams)
+        timing = int(DarCounter.CPU_NS)  # time, not an outcome
+        counts = [np.delete(r.shard.dar.counters, timing).tolist() for r in (burst, one)]
+        assert counts[0] == counts[1]
+        assert _deliveries(burst) == _deliveries(one)
+        to_w2 = [pkt for addr, pkt in burst.sent if addr == SOURCES[2]]
+        assert 0 < len(to_w2) < len(burst.sent) // 2  # its retained fragments, not the fan-out as well
+    finally:
+        one.close()
+        burst.close()
