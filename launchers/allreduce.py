@@ -22,6 +22,7 @@ import numpy as np
 
 from aggregator.engine import Aggregator
 from launchers.aggregator_process import die_with_parent, local_aggregator
+from worker_lib.cli.args import float_in, fraction, host_port, int_in
 from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig, JobConfigError
 from worker_lib.wire.bits import pack_bits
 from worker_lib.wire.layout import PacketType
@@ -149,30 +150,36 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"With --aggregator, the job options must match a job the aggregator serves; by default "
                f"that is thc-aggregator's default job {DEFAULT_JOB_ID} (key {DEFAULT_KEY:#x}, 4 workers, "
                "b=4, g=30, p=1/32).")
-    p.add_argument("--workers", type=int, default=4, help="worker processes (n, at most 32)")
-    p.add_argument("--dim", type=int, default=1 << 20, help="coordinates per gradient (default 2^20)")
-    p.add_argument("--steps", type=int, default=1, help="allreduce steps (error feedback carries over)")
-    p.add_argument("--aggregator", metavar="HOST:PORT", help="use a running aggregator instead of starting one")
-    p.add_argument("--shards", type=int, default=1, help="aggregator shards (ports PORT..PORT+P-1)")
+    p.add_argument("--workers", type=int_in(1, 32), default=4, help="worker processes (n, at most 32)")
+    p.add_argument("--dim", type=int_in(1, 1 << 31), default=1 << 20, help="coordinates per gradient (default 2^20)")
+    p.add_argument("--steps", type=int_in(1, 1 << 20), default=1, help="allreduce steps (error feedback carries over)")
+    p.add_argument("--aggregator", type=host_port, metavar="HOST:PORT",
+                   help="use a running aggregator instead of starting one")
+    p.add_argument("--shards", type=int_in(1, 64), default=1, help="aggregator shards (ports PORT..PORT+P-1)")
     p.add_argument("--loss-policy", choices=("reliable", "zero-fill"), default="reliable")
-    p.add_argument("--drop-up", type=float, default=0.0, help="simulated loss of worker->aggregator packets")
-    p.add_argument("--drop-down", type=float, default=0.0, help="simulated loss of aggregator->worker packets")
-    p.add_argument("--timeout", type=float, default=0.05,
+    p.add_argument("--drop-up", type=float_in(0, 0.99), default=0.0,
+                   help="simulated loss of worker->aggregator packets")
+    p.add_argument("--drop-down", type=float_in(0, 0.99), default=0.0,
+                   help="simulated loss of aggregator->worker packets")
+    p.add_argument("--timeout", type=float_in(1e-4, 60), default=0.05,
                    help="retransmit timeout, s, until the round trip is measured "
                         "(then 3 round trips, at least min(2 ms, this)); zero-fill: always this")
-    p.add_argument("--retries", type=int, default=3,
+    p.add_argument("--retries", type=int_in(0, 1000), default=3,
                    help="zero-fill: retransmissions before a chunk is given up (0: the paper's no-retransmission)")
-    p.add_argument("--deadline", type=float, default=10.0, help="seconds without answer before giving up")
-    p.add_argument("--job", type=int, default=DEFAULT_JOB_ID)
-    p.add_argument("--key", type=lambda s: int(s, 0), default=DEFAULT_KEY)
-    p.add_argument("--threshold", type=int, help="completion threshold (default: all workers)")
-    p.add_argument("--bits", type=int, default=4)
-    p.add_argument("--granularity", type=int, default=30)
-    p.add_argument("--p", type=float, default=1 / 32)
-    p.add_argument("--slots", type=int, default=128)
-    p.add_argument("--elems", type=int, help="indices per packet K (default: largest fitting the MTU, <= 1024)")
-    p.add_argument("--mtu", type=int, default=1500, help="path MTU the job's packets must fit (9000: jumbo frames)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deadline", type=float_in(0.01, 86400), default=10.0,
+                   help="seconds without answer before giving up")
+    p.add_argument("--job", type=int_in(0, 65535), default=DEFAULT_JOB_ID)
+    p.add_argument("--key", type=int_in(0, (1 << 32) - 1), default=DEFAULT_KEY)
+    p.add_argument("--threshold", type=int_in(1, 32), help="completion threshold (default: all workers)")
+    p.add_argument("--bits", type=int_in(1, 8), default=4)
+    p.add_argument("--granularity", type=int_in(1, 1 << 16), default=30)
+    p.add_argument("--p", type=fraction, default=1 / 32)
+    p.add_argument("--slots", type=int_in(1, 65536), default=128)
+    p.add_argument("--elems", type=int_in(1, 65535),
+                   help="indices per packet K (default: largest fitting the MTU, <= 1024)")
+    p.add_argument("--mtu", type=int_in(68, 65535), default=1500,
+                   help="path MTU the job's packets must fit (9000: jumbo frames)")
+    p.add_argument("--seed", type=int_in(0, (1 << 32) - 1), default=0)
     p.add_argument("--multicast", metavar="GROUP:PORT",
                    help="results once to this IP multicast group (the started aggregator runs --multicast)")
     p.add_argument("--pcap", type=Path, metavar="FILE",
@@ -187,12 +194,9 @@ def run(args: argparse.Namespace) -> dict:
     job = JobConfig(job=args.job, key=args.key, workers=args.workers, threshold=args.threshold, bits=args.bits,
                     granularity=args.granularity, p=args.p, slots=args.slots, elems=args.elems,
                     multicast=args.multicast, mtu=args.mtu)
-    if args.dim < 1:
-        raise ValueError("--dim must be positive")
     with tempfile.TemporaryDirectory(prefix="thc-allreduce-") as tmp, contextlib.ExitStack() as stack:
         if args.aggregator:
-            host, _, port_s = args.aggregator.rpartition(":")
-            host, port = host or "127.0.0.1", int(port_s)
+            host, port = args.aggregator
         else:
             host, port = stack.enter_context(local_aggregator([job], shards=args.shards, multicast=bool(job.multicast),
                                                               pcap=args.pcap))

@@ -90,7 +90,7 @@ def test_summary_and_help() -> None:
     assert "--loss-policy" in h.stdout and "--aggregator" in h.stdout
     bad = subprocess.run([sys.executable, "-m", "launchers.allreduce", "--workers", "40"], capture_output=True,
                          text=True, timeout=60)
-    assert bad.returncode == 2 and "workers must be in 1..32" in bad.stderr
+    assert bad.returncode == 2 and "--workers: must be in 1..32" in bad.stderr
 
 
 @pytest.mark.parametrize("args", [("--workers", "1", "--dim", "1"),
@@ -99,3 +99,18 @@ def test_lengths_that_do_not_fill_a_chunk(args: tuple[str, ...]) -> None:
     """Tensors shorter than a chunk or not a multiple of K: padded with index 0, still exact."""
     s = allreduce(*args)
     assert s["exact"] is True and s["decoded_vs_reference_max_abs"] < 1e-5
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--aggregator", "127.0.0.1:70000"], "--aggregator: expected HOST:PORT with a port in 1..65535"),
+    (["--workers", "0"], "--workers: must be in 1..32, got 0"),
+    (["--drop-up", "2"], "--drop-up: must be in 0..0.99, got 2"),
+    (["--timeout", "-1"], "--timeout: must be in 0.0001..60"),
+    (["--dim", "0"], "--dim: must be in 1..2147483648, got 0"),
+    (["--p", "3"], "p must lie in (0, 1)"),
+])
+def test_bad_options_get_one_line(argv: list[str], says: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "launchers.allreduce", *argv], capture_output=True, text=True,
+                       timeout=60)
+    lines = [ln for ln in r.stderr.splitlines() if ln and not ln.startswith(("usage:", " "))]
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(lines) == 1 and says in lines[0], r.stderr

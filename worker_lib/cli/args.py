@@ -52,6 +52,18 @@ def float_in(lo: float, hi: float) -> Callable[[str], float]:
 port_number = int_in(0, 65535)
 
 
+def host_port(text: str) -> tuple[str, int]:
+    """An argparse type: ``HOST:PORT`` (HOST may be empty: 127.0.0.1) with a port in 1..65535."""
+    host, sep, port = text.rpartition(":")
+    try:
+        num = int(port)
+    except ValueError:
+        num = -1
+    if not sep or not 1 <= num <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port in 1..65535, got {text!r}")
+    return host or "127.0.0.1", num
+
+
 def log_level(text: str) -> str:
     """An argparse type: a logging level name (DEBUG, INFO, WARNING, ERROR, CRITICAL)."""
     names = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
