@@ -13,6 +13,7 @@ targets are reported, not enforced (the figures move with the machine).
 
     python -m benchmarks.loss                       # 0, 1 %, 10 %; 3 repeats
     python -m benchmarks.loss --losses 0,0.03 --repeats 5 --dim 262144 --json
+    sudo .venv/bin/python -m benchmarks.loss --netns 1000  # namespaces, 1 Gbit/s tbf, nftables drops
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {0.01: 3.0, 0.1: 10.0}  # loss each way -> most allowed ratio to the lossless time
@@ -38,12 +41,47 @@ def run_once(loss: float, args: argparse.Namespace) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def run_netns_once(loss: float, args: argparse.Namespace) -> dict:
+    """The same exchange across network namespaces: ``thc-aggregator`` in ``agg`` and one
+    ``topologies.worker`` process per worker namespace, every link shaped by tc tbf to ``--netns`` Mbit/s,
+    and nftables dropping ``loss`` of every worker's frames each way on its bridge port. The time is the
+    slowest worker's data phase (after the norm stage, which also waits for the processes to start);
+    exact: every worker's sums are the table sums of all workers' indices (rebuilt from their seeds)."""
+    from topologies.netem import NetemConfig, Topology
+    from topologies.netem.ddp import job_spec, start_aggregator
+    from topologies.worker import worker_indices
+    from worker_lib.job import JobConfig
+    from worker_lib.thc import lookup_sum
+
+    job = JobConfig(workers=args.workers, mtu=1500)
+    chunks = -(-args.dim // job.elems)
+    cfg = NetemConfig(workers=args.workers, rate_mbit=args.netns, loss_method="nftables", prefix="thcloss",
+                      loss_percent={f"w{i}": 100 * loss for i in range(args.workers)} if loss else {})
+    with Topology(cfg) as net:
+        start_aggregator(net, [job])
+        procs = [net.popen(f"w{w}", [sys.executable, "-m", "topologies.worker", "--job", job_spec(job), "--worker",
+                                     str(w), "--aggregator", f"{net.address('agg')}:9451", "--chunks", str(chunks),
+                                     "--seed", "7", "--timeout", "0.05", "--deadline", "60"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                 for w in range(args.workers)]
+        outs = [p.communicate(timeout=args.run_timeout) for p in procs]
+        dropped = sum(net.counters().values())
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"a worker failed at loss {loss}: {[e.strip()[-200:] for _, e in outs if e.strip()]}")
+    rs = [json.loads(o) for o, _ in outs]
+    idx = np.stack([worker_indices(7, w, chunks, job.elems, job.bits) for w in range(args.workers)])
+    want = lookup_sum(np.array(job.lookup.values), idx.reshape(args.workers, -1)).reshape(chunks, job.elems)
+    exact = all(np.array_equal(np.array(r["sums"]), want) and not any(r["lost"]) for r in rs)
+    return {"seconds": max(r["seconds_data"] for r in rs), "exact": exact, "dropped_frames": dropped,
+            "retransmissions": sum(r["stats"]["retransmissions"] for r in rs)}
+
+
 def measure(args: argparse.Namespace) -> list[dict]:
     """Median time, ratio and retransmissions per loss rate (runs interleaved across rates)."""
     runs: dict[float, list[dict]] = {loss: [] for loss in args.losses}
     for _ in range(args.repeats):
         for loss in args.losses:
-            runs[loss].append(run_once(loss, args))
+            runs[loss].append(run_netns_once(loss, args) if args.netns else run_once(loss, args))
     base = statistics.median(r["seconds"] for r in runs[0.0]) if 0.0 in runs else None
     rows = []
     for loss, rs in runs.items():
@@ -67,15 +105,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
     ap.add_argument("--dim", type=int, default=1 << 20, help="coordinates per gradient (default 2^20)")
     ap.add_argument("--run-timeout", type=float, default=600.0, help="seconds for one run (default 600)")
+    ap.add_argument("--netns", type=float, metavar="MBIT",
+                    help="run across network namespaces instead: links shaped by tc tbf to MBIT Mbit/s, loss "
+                         "dropped by nftables on the bridge (whole percent; needs root)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args(argv)
+    if args.netns is not None:
+        from topologies.netem import require_root
+
+        why = require_root()
+        if why:
+            ap.error(f"--netns: {why}")
+        if args.netns <= 0 or any(abs(100 * x - round(100 * x)) > 1e-9 for x in args.losses):
+            ap.error("--netns wants a positive rate and losses in whole percent (nftables numgen)")
     if args.repeats < 1 or any(not 0.0 <= x < 1.0 for x in args.losses):
         ap.error("--repeats must be at least 1 and every loss in [0, 1)")
     rows = measure(args)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(f"thc-allreduce, {args.workers} workers, {args.dim} coordinates, reliable, loopback; "
+        where = f"netns, tbf {args.netns:g} Mbit/s, nftables loss" if args.netns else "loopback"
+        print(f"thc-allreduce, {args.workers} workers, {args.dim} coordinates, reliable, {where}; "
               f"median of {args.repeats}")
         print(f"{'loss each way':>14} {'median s':>9} {'x lossless':>10} {'target':>7} {'retx':>7} exact")
         for r in rows:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from worker_lib.pacing import Pacer
+from worker_lib.pacing import Pacer, extend_loss_runs
 
 
 def pacer(**kw: object) -> Pacer:
@@ -18,8 +18,9 @@ def pacer(**kw: object) -> Pacer:
 def test_rto_is_three_lower_quartile_round_trips_with_a_per_use_backoff() -> None:
     """``timeout`` before any clean sample, doubled by each expiry (to the ceiling); from the first
     sample on, 3 x the lower quartile of the samples (numpy's linear quantile: of 1, 2, 3, 4 ms it is
-    1.75 ms), within [min_timeout, max_timeout]; a use resent k times waits 2^min(k, 3) times that."""
-    p = pacer(min_timeout=0.001)
+    1.75 ms), within [min_timeout, max_timeout]; a use resent k times waits 2^min(k, max_backoff)
+    times that (max_backoff 1 by default, 3 here)."""
+    p = pacer(min_timeout=0.001, max_backoff=3)
     assert p.rto() == 0.01
     p.expired(0.0, 1)
     p.expired(0.1, 5)
@@ -44,6 +45,28 @@ def test_rto_is_three_lower_quartile_round_trips_with_a_per_use_backoff() -> Non
     for _ in range(20):
         ceiling.expired(0.0)
     assert pacer(max_timeout=1.0).rto() == 0.01
+    default = pacer(min_timeout=0.001)
+    default.sample(0.001)
+    assert (default.rto(1), default.rto(5)) == (pytest.approx(0.006), pytest.approx(0.006))
+
+
+def test_a_silent_path_backs_off_further() -> None:
+    """Timeout 3 ms, max_backoff 1. While answers come (silent < max(8 timeouts, 0.25 s)) a resent use
+    waits 6 ms at most; silent 0.25 s: one more doubling (12 ms); 0.5 s: two more (24 ms); 1 s: three;
+    never past DEAD_BACKOFF = 6 doublings (192 ms) nor max_timeout."""
+    p = pacer(min_timeout=0.001)
+    p.sample(0.001)
+    assert p.rto(5, silent=0.2) == pytest.approx(0.006)
+    assert p.rto(5, silent=0.25) == pytest.approx(0.012)
+    assert p.rto(5, silent=0.5) == pytest.approx(0.024)
+    assert p.rto(5, silent=1.0) == pytest.approx(0.048)
+    assert p.rto(9, silent=100.0) == pytest.approx(0.192)
+    assert p.rto(1, silent=100.0) == pytest.approx(0.006)  # a use resent once has had one doubling only
+    assert p.rto(0, silent=100.0) == pytest.approx(0.003)
+    assert pacer(max_timeout=0.1, min_timeout=0.001).rto(9, silent=100.0) <= 0.1
+    slow = pacer(min_timeout=0.001)
+    slow.sample(0.05)  # timeout 0.15 s: silent means 8 timeouts, 1.2 s
+    assert slow.rto(5, silent=1.0) == pytest.approx(0.3) and slow.rto(5, silent=1.25) == pytest.approx(0.6)
 
 
 def test_waits_for_other_workers_do_not_inflate_the_timeout() -> None:
@@ -56,10 +79,9 @@ def test_waits_for_other_workers_do_not_inflate_the_timeout() -> None:
 
 
 def test_window_grows_and_only_a_burst_of_losses_cuts_it() -> None:
-    """Slow start adds one use per answer. Within one round trip (here the 10 ms floor of the timeout),
-    3 expiries, or 13 expiries among 33 ended uses, are scattered loss: no cut. 6 expiries out of 6 are a
-    burst: the window halves, at most once per round trip, not below 2. At ssthresh each answer adds
-    1/cwnd; never above max_window."""
+    """Slow start adds one use per answer. Expiries that are not a burst leave the window; a burst
+    halves it, at most once per round trip (here the 10 ms floor of the timeout), not below 2. At
+    ssthresh each answer adds 1/cwnd; never above max_window."""
     p = pacer(max_window=40, initial_window=16)
     p.sample(0.002)  # a round trip is known: the timeout, and the round trip of the cuts, is min_timeout
     assert p.window() == 16 and p.rto() == 0.01
@@ -67,23 +89,52 @@ def test_window_grows_and_only_a_burst_of_losses_cuts_it() -> None:
         p.answered(0.0)
     assert p.window() == 36
     p.expired(0.001, 3)
-    p.expired(0.002, 10)
+    p.expired(0.002, 30)
     assert p.window() == 36 and p.cuts == 0
-    p.expired(1.0, 6)
+    p.expired(1.0, 6, burst=True)
     assert (p.window(), p.ssthresh, p.cuts) == (18, 18.0, 1)
-    p.expired(1.005, 6)  # within the round trip of the last cut
+    p.expired(1.005, 6, burst=True)  # within the round trip of the last cut
     assert p.window() == 18
-    p.expired(1.02, 6)
+    p.expired(1.02, 6, burst=True)
     assert p.window() == 9
     for _ in range(9):  # at ssthresh: each answer adds 1/cwnd (9 -> 9.111 -> 9.221 -> ... -> 9.955)
         p.answered(2.0)
     assert p.window() == 9 and p.cwnd == pytest.approx(9.955, abs=1e-3)
     for now in (3.0, 4.0, 5.0, 6.0):
-        p.expired(now, 8)
+        p.expired(now, 8, burst=True)
     assert p.window() == 2
     for _ in range(10_000):
         p.answered(7.0)
     assert p.window() == 40
+
+
+def test_a_burst_is_a_run_of_consecutive_first_send_losses() -> None:
+    """Uses 0..9 lost on their first send, in two timeouts' worth of expiries: the 10th makes the run a
+    burst, once; the same ten losses scattered (every other use) are not; a larger ``need`` waits for a
+    longer run."""
+    runs = np.zeros(40, np.int64)
+    assert not extend_loss_runs(runs, np.arange(0, 6))
+    assert extend_loss_runs(runs, np.arange(6, 12))
+    assert runs[11] == 12 and not extend_loss_runs(runs, np.arange(12, 14))  # the same run counts once
+    scattered = np.zeros(40, np.int64)
+    assert not extend_loss_runs(scattered, np.arange(0, 40, 2))
+    assert scattered.max() == 1
+    longer = np.zeros(40, np.int64)
+    assert not extend_loss_runs(longer, np.arange(0, 12), need=16) and extend_loss_runs(longer, np.arange(12, 20),
+                                                                                            need=16)
+
+
+def test_random_loss_among_four_workers_rarely_makes_a_burst() -> None:
+    """41 % of uses expiring independently (10 % loss each way, 4 workers): over 100,000 uses the runs
+    that reach 10 number about 100,000 x 0.59 x 0.41^10 = 7.9; a queue overflow losing 20 of 32
+    consecutive uses is caught at once."""
+    rng = np.random.default_rng(1)
+    lost = np.flatnonzero(rng.random(100_000) < 0.41)
+    runs = np.zeros(100_000, np.int64)
+    bursts = sum(extend_loss_runs(runs, chunk) for chunk in np.array_split(lost, 4000))
+    assert bursts <= 20
+    overflow = np.zeros(32, np.int64)
+    assert extend_loss_runs(overflow, np.arange(12, 32))
 
 
 def test_a_growing_queue_stops_the_window_growing() -> None:

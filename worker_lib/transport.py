@@ -52,7 +52,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from worker_lib.job import JobConfig
-from worker_lib.pacing import Pacer
+from worker_lib.pacing import Pacer, extend_loss_runs
 from worker_lib.wire.bits import pack_bits
 from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, PacketType
 from worker_lib.wire.pcap import PcapWriter
@@ -80,7 +80,7 @@ class TransportConfig:
     timeout: float = 0.05  #: seconds before a use is resent until a round trip is measured (zero-fill: always)
     min_timeout: float = 0.002  #: the least adaptive timeout (floor of the measured one; at most ``timeout``)
     max_timeout: float = 2.0  #: the most the adaptive timeout grows to (with a use's backoff)
-    max_backoff: int = 3  #: doublings of a use's timeout at most, one per resend (reliable policy)
+    max_backoff: int = 1  #: doublings of a use's timeout at most, one per resend (reliable policy; pacing.py)
     adaptive_timeout: bool = True  #: False (and zero-fill): always ``timeout`` (no RTT estimate, no backoff)
     retries: int = 3  #: zero-fill: retransmissions before a chunk is given up
     deadline: float = 10.0  #: seconds without any answer before AggregatorUnreachable
@@ -381,6 +381,7 @@ class Transport:
         done = np.zeros(count, bool)
         sent_at = np.zeros(count)
         tries = np.zeros(count, np.int64)
+        runs = np.zeros(count, np.int64)  # runs of uses lost on their first send (pacing.extend_loss_runs)
         by_slot: dict[int, int] = {}
         base = nxt = 0
         last_answer = time.monotonic()
@@ -394,10 +395,11 @@ class Transport:
                 sent_at[nxt] = now
                 nxt += 1
             # Resend or give up what timed out (each resend backs that use's timeout off, see pacing.py).
-            rto = self.pacer.rto(tries[base:nxt])
+            rto = self.pacer.rto(tries[base:nxt], silent=now - last_answer)
             due = base + np.flatnonzero(~done[base:nxt] & (now - sent_at[base:nxt] >= rto))
             if due.size:
-                self.pacer.expired(now, int(due.size), first_sends=int(np.count_nonzero(tries[due] == 0)))
+                burst = extend_loss_runs(runs, due[tries[due] == 0], self.pacer.burst_run())
+                self.pacer.expired(now, int(due.size), burst=burst)
             for i in due.tolist():
                 if policy == "zero-fill" and tries[i] >= cfg.retries:
                     self._finish_lost(i, int(slots[i]), tensor, done, lost, by_slot)
@@ -418,7 +420,7 @@ class Transport:
             if base >= count or (nxt < count and nxt < base + self.pacer.window()):
                 continue
             open_ = ~done[base:nxt]
-            deadlines = sent_at[base:nxt][open_] + self.pacer.rto(tries[base:nxt][open_])
+            deadlines = sent_at[base:nxt][open_] + self.pacer.rto(tries[base:nxt][open_], silent=now - last_answer)
             wait = max(0.0, float(deadlines.min()) - now) if deadlines.size else 0.0
             ready, _, _ = select.select(self.socks, [], [], max(wait, 0.0005))
             for sock in ready:
