@@ -96,12 +96,29 @@ class AggregatorServer:
         self._stop = threading.Event()
         self._reload = threading.Event()
         self._loader: _Loader | None = None
-        if cfg.pcap is not None and not os.access(cfg.pcap.parent, os.W_OK):
-            raise OSError(f"cannot write the pcap file {cfg.pcap}: {cfg.pcap.parent} is not a writable directory")
-        self._metrics = self._start_metrics() if cfg.metrics_port is not None else None
-        if cfg.control is not None:  # a dar job may be added at any time: load its codecs (torch) now, not
-            import worker_lib.codecs  # noqa: F401  # while packets wait (seconds holding the GIL)
-        self.control = ControlChannel(cfg.control, lambda: self.jobs, self.totals) if cfg.control else None
+        self._metrics: ThreadingHTTPServer | None = None
+        self.control: ControlChannel | None = None
+        try:
+            if cfg.pcap is not None and not os.access(cfg.pcap.parent, os.W_OK):
+                raise OSError(f"cannot write the pcap file {cfg.pcap}: {cfg.pcap.parent} is not a writable "
+                              "directory")
+            self._metrics = self._start_metrics() if cfg.metrics_port is not None else None
+            if cfg.control is not None:  # a dar job may be added at any time: load its codecs (torch) now,
+                import worker_lib.codecs  # noqa: F401  # not while packets wait (seconds holding the GIL)
+
+                self.control = ControlChannel(cfg.control, lambda: self.jobs, self.totals)
+        except BaseException:  # nothing half-started is left behind: sockets, metrics thread
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        """Close what ``__init__`` opened: the shard sockets, the metrics endpoint, the control socket."""
+        if self._metrics is not None:
+            self._metrics.shutdown()
+        for s in self.socks:
+            s.close()
+        if self.control is not None:
+            self.control.close()
 
     def _load_jobs(self) -> list[JobConfig]:
         """--job's jobs, replaced by the config file's where the ids are the same."""
@@ -183,12 +200,7 @@ class AggregatorServer:
             else:
                 self._serve_sharded()
         finally:
-            if self._metrics is not None:
-                self._metrics.shutdown()
-            for s in self.socks:
-                s.close()
-            if self.control is not None:
-                self.control.close()
+            self._release()
 
     def _serve_single(self) -> None:
         sh = Shard(self.cfg, self.socks[0], 0, self.jobs, self.counters[0], self.dar_counters[0])
