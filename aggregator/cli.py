@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--multicast", action="store_true",
                    help="send results once to each job's multicast group (job option multicast=GROUP:PORT)")
     p.add_argument("--batch", type=int_in(1, 4096), default=256, help="datagrams per recvmmsg/sendmmsg (default 256)")
+    p.add_argument("--engine", choices=("compiled", "numpy"), default="compiled",
+                   help="the state table as one compiled loop (numba; default) or as numpy batch operations")
     p.add_argument("--busy-poll", action="store_true", help="spin on the socket instead of sleeping in select")
     p.add_argument("--stats-interval", type=float_in(0, 86400), default=0.0, metavar="SECONDS",
                    help="print packets/s, elements/s, drops, stragglers and completions every SECONDS")
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                            multicast=args.multicast, busy_poll=args.busy_poll,
                            stats_interval=args.stats_interval, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, config_path=args.config, jobs=jobs, pcap=args.pcap,
-                           control=control)
+                           control=control, engine=args.engine)
         server = AggregatorServer(cfg, out=lambda s: print(s, flush=True))
     except (JobConfigError, ValueError) as exc:
         print(f"thc-aggregator: {exc}", file=sys.stderr)

@@ -102,6 +102,7 @@ class JobState:
         self.cfg = cfg
         s, k = cfg.slots, cfg.elems
         self.values = cfg.values() if cfg.kind == "thc" else None
+        self.table32 = (self.values if self.values is not None else np.zeros(1)).astype(np.int32)  # compiled path
         self.byte_lut = _byte_lut(self.values, cfg.bits) if self.values is not None else None
         self.value_dtype = _value_dtype(self.values) if self.values is not None else np.dtype(np.int32)
         self.sums = np.zeros((s, 2, k), np.int32)
@@ -154,11 +155,12 @@ class Aggregator:
 
     def __init__(self, jobs: Iterable[JobConfig] = (), *, shard: int = 0, shards: int = 1,
                  max_batch: int = 256, stride: int = DEFAULT_STRIDE, group_min: int = 16,
-                 scalar_below: int = 32) -> None:
+                 scalar_below: int = 32, compiled: bool = False) -> None:
         if not 0 <= shard < shards:
             raise ValueError(f"shard {shard} is not in 0..{shards - 1}")
         self.shard, self.shards, self.max_batch, self.stride = shard, shards, max_batch, stride
         self.group_min, self.scalar_below = group_min, scalar_below
+        self.compiled = compiled
         self.counters = np.zeros(len(Counter), np.int64)
         self.jobs: dict[int, JobState] = {}
         # Per-job-id parameter arrays for vectorized validation (fixed size: job ids are 16 bits).
@@ -171,6 +173,11 @@ class Aggregator:
         self._dwidth = np.zeros(1 << 16, np.int64)
         self._dbytes = np.zeros(1 << 16, np.int64)
         self.out = Outputs.allocate(max_batch, stride)
+        if compiled:
+            from aggregator.compiled import apply_rows, warm_up
+
+            self._apply_rows = apply_rows
+            warm_up(self.out.buf, self.out.length, self.out.src, self.out.fanout, self.out.job, self.counters)
         self._out_headers = header_view(self.out.buf)
         # Header fields of this batch's outputs, written in one vectorized pass at the end.
         self._pending: list[tuple[int, int, int, int, int, int, int]] = []
@@ -235,7 +242,7 @@ class Aggregator:
             return out
         c = self.counters
         c[_CI.RX] += n
-        if n < self.scalar_below:
+        if n < self.scalar_below and not self.compiled:
             return self._process_scalar(buf, lengths, n)
         lens = np.asarray(lengths, np.int64)
         h = header_view(buf[:n])
@@ -281,6 +288,8 @@ class Aggregator:
         if good.size == 0:
             return out
         rnd = h["round"].astype(np.int64)
+        if self.compiled:
+            return self._process_compiled(buf, good, job, typ, worker, slot, rnd, norm_bits)
         values: dict[int, np.ndarray] = {}
         row_pos = np.full(n, -1, np.int64)
         slow: list[np.ndarray] = []
@@ -343,6 +352,21 @@ class Aggregator:
             self._flush_payloads()
             self._finish_headers(buf)
         return self.out
+
+    def _process_compiled(self, buf: np.ndarray, good: np.ndarray, job: np.ndarray, typ: np.ndarray,
+                          worker: np.ndarray, slot: np.ndarray, rnd: np.ndarray, norm_bits: np.ndarray) -> Outputs:
+        """The state table for the valid rows ``good``, one compiled loop per job (aggregator.compiled)."""
+        out = self.out
+        good_jobs = job[good]
+        for j in (good_jobs[:1] if (good_jobs == good_jobs[0]).all() else np.unique(good_jobs)).tolist():
+            js, cfg = self.jobs[j], self.jobs[j].cfg
+            rows = good if len(self.jobs) == 1 else good[good_jobs == j]
+            out.count = self._apply_rows(
+                rows, typ, worker, slot, rnd, norm_bits, buf, j, cfg.kind == "thc", cfg.bits, cfg.elems,
+                cfg.threshold, cfg.result_bits, js.table32, js.used, js.cur_round, js.bank_round,
+                js.bitmap, js.count, js.complete, js.kind, js.norm, js.sums, out.buf, out.length, out.src, out.fanout,
+                out.job, out.count, self.counters)
+        return out
 
     @staticmethod
     def _lookup(js: JobState, buf: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -52,8 +52,11 @@ class ServerConfig:
     pcap: Path | None = None
     poll_timeout: float = 0.05
     control: ControlConfig | None = None  #: the control socket (aggregator.control); None: no control
+    engine: str = "compiled"  #: "compiled" (aggregator.compiled, numba) or "numpy" (the vectorised paths)
 
     def __post_init__(self) -> None:
+        if self.engine not in ("compiled", "numpy"):
+            raise ValueError(f"engine must be compiled or numpy, got {self.engine!r}")
         if not 1 <= self.shards <= 64:
             raise ValueError(f"shards must be in 1..64, got {self.shards}")
         if not 1 <= self.batch <= 4096:

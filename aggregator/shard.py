@@ -85,7 +85,8 @@ class Shard:
         if cfg.multicast:
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(cfg.host))
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
-        self.agg = Aggregator(shard=shard, shards=cfg.shards, max_batch=cfg.batch, stride=cfg.stride)
+        self.agg = Aggregator(shard=shard, shards=cfg.shards, max_batch=cfg.batch, stride=cfg.stride,
+                              compiled=cfg.engine == "compiled")
         if counters is not None:
             self.agg.counters = counters
         self.dar = DarAggregator(shard=shard, shards=cfg.shards, stride=cfg.stride)

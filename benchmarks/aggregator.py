@@ -117,7 +117,8 @@ def generator(port: int, shards: int, cfg: JobConfig, seconds: float, window: in
              "stalls": stalls})
 
 
-def measure(target: str, cfg: JobConfig, seconds: float, shards: int = 1, window: int = 1024) -> dict:
+def measure(target: str, cfg: JobConfig, seconds: float, shards: int = 1, window: int = 1024,
+            engine: str = "compiled") -> dict:
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     stop = ctx.Event()
@@ -132,7 +133,7 @@ def measure(target: str, cfg: JobConfig, seconds: float, shards: int = 1, window
         else:
             spec = ",".join(f"{k}={v}" for k, v in cfg.to_dict().items())
             proc = subprocess.Popen([sys.executable, "-m", "aggregator.cli", "--port", "0", "--shards", str(shards),
-                                     "--job", spec], stdout=subprocess.PIPE, text=True)
+                                     "--engine", engine, "--job", spec], stdout=subprocess.PIPE, text=True)
             port = listening_port(proc.stdout.readline())
         gen = ctx.Process(target=generator, args=(port, shards, cfg, seconds, window, out))
         gen.start()
@@ -321,10 +322,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cfg = JobConfig(job=1, workers=WORKERS, elems=args.elems, slots=256)
     res: dict = {"cpus": os.cpu_count(), "elems": cfg.elems, "workers": WORKERS}
-    runs: dict[str, list[dict]] = {"reflector": [], "aggregator": [], "aggregator_2_shards": []}
+    runs: dict[str, list[dict]] = {"reflector": [], "aggregator": [], "aggregator_numpy": [],
+                                   "aggregator_2_shards": []}
     for _ in range(args.repeats):  # interleaved, so that background load hits every target alike
         runs["reflector"].append(measure("reflector", cfg, args.seconds))
         runs["aggregator"].append(measure("aggregator", cfg, args.seconds))
+        runs["aggregator_numpy"].append(measure("aggregator", cfg, args.seconds, engine="numpy"))
         runs["aggregator_2_shards"].append(measure("aggregator", cfg, args.seconds, shards=2))
     for name, rs in runs.items():
         res[name] = {"packets_per_s": statistics.median(r["packets_per_s"] for r in rs),
@@ -336,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     speedups = [b["packets_per_s"] / a["packets_per_s"] for a, b in zip(runs["aggregator"],
                                                                           runs["aggregator_2_shards"], strict=True)]
     res["ratio"] = statistics.median(ratios)
+    res["ratio_numpy"] = statistics.median(a["packets_per_s"] / r["packets_per_s"] for a, r in
+                                           zip(runs["aggregator_numpy"], runs["reflector"], strict=True))
     res["shards_speedup"] = statistics.median(speedups)
     res["ratios"] = [round(x, 3) for x in ratios]
     if not args.skip_allreduce:
@@ -345,11 +350,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res))
         return 0
     print(f"{res['cpus']} CPUs, n = {WORKERS} emulated workers, K = {cfg.elems} 4-bit indices per packet")
-    for name in ("reflector", "aggregator", "aggregator_2_shards"):
+    for name in ("reflector", "aggregator", "aggregator_numpy", "aggregator_2_shards"):
         r = res[name]
         print(f"  {name:22s} {r['packets_per_s']:12,.0f} pkt/s  {r['elements_per_s']:14,.0f} elements/s"
               f"  (runs {r['all_packets_per_s']}, stalls {r['stalls']})")
-    print(f"  aggregator / reflector {res['ratio']:.2f} (per run {res['ratios']})   "
+    print(f"  aggregator (compiled) / reflector {res['ratio']:.2f} (per run {res['ratios']}); numpy engine "
+          f"{res['ratio_numpy']:.2f}   "
           f"2 shards / 1 shard {res['shards_speedup']:.2f}")
     if "thc_allreduce" in res:
         t = res["thc_allreduce"]

@@ -93,8 +93,10 @@ packet = st.fixed_dictionaries({
 
 
 # The engine's paths: packet-at-a-time checks and state table; vectorized checks, then slot groups
-# wherever possible; vectorized checks with the state table packet by packet. None: the reference.
-PATHS = [{"scalar_below": 1000}, {"scalar_below": 0, "group_min": 1}, {"scalar_below": 0, "group_min": 1000}, None]
+# wherever possible; vectorized checks with the state table packet by packet; vectorized checks with
+# the compiled state table (aggregator/compiled.py). None: the reference.
+PATHS = [{"scalar_below": 1000}, {"scalar_below": 0, "group_min": 1}, {"scalar_below": 0, "group_min": 1000},
+         {"compiled": True}, None]
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -273,13 +275,26 @@ def _assert_same_state(engine: Aggregator, ref: ReferenceAggregator) -> None:
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(packet, damage, st.booleans()), min_size=1, max_size=48), st.integers(1, 20),
-       st.sampled_from(PATHS[:3]), st.sampled_from([(0, 1), (1, 2)]))
+       st.sampled_from(PATHS[:4]), st.sampled_from([(0, 1), (1, 2)]))
 def test_engine_matches_reference(items: list, batch: int, path: dict, shard: tuple[int, int]) -> None:
     """The batch engine is the reference, faster: for packets of a THC and an uncompressed job (valid,
     damaged, truncated; duplicates, stale and new rounds, wraparound, both kinds), fed in batches of
     any size on any engine path, under sharding or not, it sends the reference's packets byte for byte
     (each caused by the same packet), counts the same, and leaves every slot and bank as the reference
     does."""
+    _check_engine_against_reference(items, batch, path, shard)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(packet, damage, st.booleans()), min_size=1, max_size=48), st.integers(1, 32),
+       st.sampled_from([(0, 1), (1, 2)]))
+def test_compiled_engine_matches_reference(items: list, batch: int, shard: tuple[int, int]) -> None:
+    """The compiled state table (aggregator/compiled.py) alone, on the same packets: the reference's bytes,
+    counters and registers."""
+    _check_engine_against_reference(items, batch, {"compiled": True}, shard)
+
+
+def _check_engine_against_reference(items: list, batch: int, path: dict, shard: tuple[int, int]) -> None:
     wires = [_damaged(_wire(p) if thc else _uncompressed_wire(p), dmg) for p, dmg, thc in items]
     jobs = [CFG, UNCOMPRESSED]
     ref = ReferenceAggregator(jobs, shard=shard[0], shards=shard[1])
@@ -292,3 +307,24 @@ def test_engine_matches_reference(items: list, batch: int, path: dict, shard: tu
         assert got == want
     assert engine.counters.tolist() == ref.counters
     _assert_same_state(engine, ref)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 8), st.integers(0, 2**32 - 1), st.integers(1, 40))
+def test_compiled_lookup_of_every_index_width(bits: int, seed: int, count: int) -> None:
+    """b = 1..8 (the compiled loop has its own code for 2, 4 and 8 bits and a bit window for the rest):
+    the same results, counters and sums as the numpy engine, for packets of random indices and rounds."""
+    g = max(30, (1 << bits) - 1)
+    cfg = JobConfig(job=2, key=5, workers=2, threshold=2, bits=bits, granularity=g, slots=2, elems=16,
+                    result_bits=16)
+    rng = np.random.default_rng(seed)
+    wires = [Header(**cfg.request_fields(PacketType.DATA, worker=int(rng.integers(2)), slot=int(rng.integers(2)),
+                                         round=int(rng.integers(3))))
+             .pack(pack_bits(rng.integers(0, 1 << bits, cfg.elems).astype(np.uint8), bits).tobytes())
+             for _ in range(count)]
+    numpy_engine, compiled = Aggregator([cfg], max_batch=64), Aggregator([cfg], max_batch=64, compiled=True)
+    for agg in (numpy_engine, compiled):
+        agg.process(*_batch(wires, agg.stride))
+    assert sorted(compiled.out.packets()) == sorted(numpy_engine.out.packets())
+    assert compiled.counters.tolist() == numpy_engine.counters.tolist()
+    assert np.array_equal(compiled.jobs[2].sums, numpy_engine.jobs[2].sums)

@@ -67,7 +67,8 @@ def _check(got: tuple[bool, bytes], want: dict, jobs: dict, where: str) -> None:
         assert payload == b""
 
 
-IMPLEMENTATIONS = {"reference": ReferenceAggregator, "engine": Aggregator}
+IMPLEMENTATIONS = {"reference": ReferenceAggregator, "engine": Aggregator,
+                   "compiled": lambda jobs: Aggregator(jobs, compiled=True)}
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
