@@ -24,7 +24,7 @@ import numpy as np
 
 from aggregator.control import ControlChannel, ControlConfig
 from aggregator.dar import preload_codecs
-from aggregator.engine import DEFAULT_STRIDE
+from aggregator.engine import DEFAULT_STRIDE, Aggregator
 from aggregator.metrics import StatsLine, start_metrics
 from aggregator.shard import Shard, bind_shards, shard_process
 from worker_lib.job import JobConfig, load_jobs
@@ -92,6 +92,8 @@ class AggregatorServer:
         self.cfg = cfg
         self.out = out
         self.jobs = self._load_jobs()
+        if cfg.engine == "compiled":  # compile (or load from cache) now, before the port is announced: the
+            Aggregator(max_batch=1, compiled=True)  # first time takes seconds; shards inherit it (fork)
         self.socks = bind_shards(cfg.host, cfg.port, cfg.shards)
         self.port = self.socks[0].getsockname()[1]
         self.counters = np.zeros((cfg.shards, len(Counter)), np.int64)
