@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -46,6 +47,7 @@ class Run:
 
     rate_mbit: float
     mode: str
+    loss: float = 0.0
 
 
 def model_args(args: argparse.Namespace) -> list[str]:
@@ -95,13 +97,14 @@ def measure(net: Topology, run: Run, job: int, args: argparse.Namespace, agg_pid
     per = hook.get("per_timed_step", {})  # the hook's counters over the timed steps, per step
     per = {k: per.get(k, 0.0) for k in ("encode_s", "network_s", "decode_s", "bytes_sent")}
     sent = per["bytes_sent"]  # payload bytes one worker sends per step
-    return {"rate_mbit": run.rate_mbit, "mode": run.mode, "workers": s["world_size"], "parameters": s["parameters"],
+    return {"rate_mbit": run.rate_mbit, "mode": run.mode, "loss": run.loss, "workers": s["world_size"],
+            "parameters": s["parameters"], "steps": steps,
             "step_s": s["step_s"], "forward_s": s["forward_s"], "backward_s": s["backward_s"],
             "optimizer_s": s["optimizer_s"], "samples_per_s": s["world_size"] * args.batch_size / s["step_s"],
             "hook_encode_s": per["encode_s"], "hook_network_s": per["network_s"], "hook_decode_s": per["decode_s"],
             "payload_bytes_up": sent, "link_up_s": sent * 8 / (run.rate_mbit * 1e6),
             "aggregator_cpu_s": agg_cpu / steps, "identical": s["identical"], "final_loss": s["final_loss"],
-            "retransmissions": hook.get("transport_retransmissions", 0), "wall_s": wall}
+            "retransmissions": hook.get("transport_retransmissions", 0), "mtu": args.mtu, "wall_s": wall}
 
 
 def kind(mode: str) -> str:
@@ -109,11 +112,12 @@ def kind(mode: str) -> str:
 
 
 def run_all(args: argparse.Namespace) -> list[dict]:
+    """Every rate x loss x mode, ``--repeats`` times, loss rates interleaved (a fresh topology each)."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="ddp-netem-") as tmpd:
         tmp = Path(tmpd)
-        for rate in args.rates:
-            loss = {f"w{i}": args.loss for i in range(args.workers)} if args.loss else {}
+        for rate, _, pct in ((r, k, x) for r in args.rates for k in range(args.repeats) for x in args.loss):
+            loss = {f"w{i}": pct for i in range(args.workers)} if pct else {}
             cfg = NetemConfig(workers=args.workers, rate_mbit=rate, qdisc=args.qdisc, loss_percent=loss,
                               loss_udp_only=args.loss_udp_only, prefix="thcbench", mtu=args.mtu)
             with Topology(cfg) as net:
@@ -126,9 +130,10 @@ def run_all(args: argparse.Namespace) -> list[dict]:
                                   else None, mtu=args.mtu, elems=elems_for(kind(m), args)) for m, j in jobs.items()],
                         multicast=any(m.endswith("mcast") for m in modes))
                 for mode in args.modes:
-                    row = measure(net, Run(rate, mode), jobs.get(mode, 9), args, agg.pid if agg else None, tmp)
+                    row = measure(net, Run(rate, mode, pct), jobs.get(mode, 9), args, agg.pid if agg else None,
+                                  tmp)
                     rows.append(row)
-                    print(f"  {rate:>7g} Mbit/s {mode:<12} step {row['step_s'] * 1e3:8.1f} ms  "
+                    print(f"  {rate:>7g} Mbit/s {pct:g} % loss {mode:<12} step {row['step_s'] * 1e3:8.1f} ms  "
                           f"{row['samples_per_s']:8.1f} samples/s  (wall {row['wall_s']:.0f} s)", flush=True)
     return rows
 
@@ -137,11 +142,11 @@ def report(rows: list[dict]) -> None:
     gloo = {r["rate_mbit"]: r["step_s"] for r in rows if r["mode"] == "gloo"}
     print(f"\nDDP on an emulated network: {rows[0]['workers']} workers, {rows[0]['parameters']:,} parameters, "
           "each node and the aggregator in its own namespace, links shaped by tc (both directions)")
-    print(f"{'rate':>8} {'mode':<12} {'step ms':>8} {'x gloo':>7} {'samples/s':>9} | {'fwd':>6} {'bwd':>7} "
+    print(f"{'rate':>8} {'loss':>5} {'mode':<12} {'step ms':>8} {'x gloo':>7} {'samples/s':>9} | {'fwd':>6} {'bwd':>7} "
           f"{'encode':>7} {'network':>8} {'decode':>7} {'agg cpu':>8} {'link up':>8} {'MB up':>6} {'retx':>5} same")
     for r in rows:
         ratio = gloo.get(r["rate_mbit"])
-        print(f"{r['rate_mbit']:>8g} {r['mode']:<12} {r['step_s'] * 1e3:8.1f} "
+        print(f"{r['rate_mbit']:>8g} {r['loss']:>5g} {r['mode']:<12} {r['step_s'] * 1e3:8.1f} "
               f"{(r['step_s'] / ratio if ratio else float('nan')):7.2f} {r['samples_per_s']:9.1f} | "
               f"{r['forward_s'] * 1e3:6.1f} {r['backward_s'] * 1e3:7.1f} {r['hook_encode_s'] * 1e3:7.1f} "
               f"{r['hook_network_s'] * 1e3:8.1f} {r['hook_decode_s'] * 1e3:7.1f} {r['aggregator_cpu_s'] * 1e3:8.1f} "
@@ -150,6 +155,32 @@ def report(rows: list[dict]) -> None:
     print("(ms per step; 'x gloo' = step time / gloo's at the same rate; fwd/bwd from the training loop, backward "
           "includes waiting for the exchange; encode/network/decode: the hook's thread; agg cpu: aggregator CPU "
           "time per step; link up: one worker's DATA payload at the link rate. gloo's traffic is not counted.)")
+    loss_report(rows)
+
+
+def loss_report(rows: list[dict]) -> None:
+    """Per rate and mode, each loss rate's median step against the lossless median, and what the resent
+    datagrams need on the link (issue 15's target: the step grows by no more than that)."""
+    lossless = {(r["rate_mbit"], r["mode"]): [] for r in rows if r["loss"] == 0}
+    for r in rows:
+        if r["loss"] == 0:
+            lossless[r["rate_mbit"], r["mode"]].append(r["step_s"])
+    lossy = sorted({(r["rate_mbit"], r["mode"], r["loss"]) for r in rows if r["loss"] and
+                    (r["rate_mbit"], r["mode"]) in lossless})
+    if not lossy:
+        return
+    print("\nloss against lossless (medians over the repeats; resent: one worker's retransmitted datagrams per "
+          "step, at most MTU bytes each, at the link rate)")
+    print(f"{'rate':>8} {'loss':>5} {'mode':<12} {'lossless':>9} {'lossy':>9} {'extra ms':>9} {'resent ms':>10} met")
+    for rate, mode, pct in lossy:
+        base = statistics.median(lossless[rate, mode])
+        same = [r for r in rows if (r["rate_mbit"], r["mode"], r["loss"]) == (rate, mode, pct)]
+        step = statistics.median(r["step_s"] for r in same)
+        resent = statistics.median(r["retransmissions"] / r["steps"] * r["mtu"] * 8 / (rate * 1e6)
+                                   for r in same)
+        extra = step - base
+        print(f"{rate:>8g} {pct:>5g} {mode:<12} {base * 1e3:9.1f} {step * 1e3:9.1f} {extra * 1e3:9.1f} "
+              f"{resent * 1e3:10.1f} {'yes' if extra <= resent else 'NO'}")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -192,8 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mtu", type=int, default=1500, help="MTU of every link (9000: jumbo frames, for every mode)")
     p.add_argument("--elems", type=int, help="elements per aggregator packet K (default: the job's for the MTU)")
     p.add_argument("--timeout", type=float, default=0.05, help="workers' least retransmission timeout, s")
-    p.add_argument("--loss", type=float, default=0.0,
-                   help="random loss in %% per direction on every worker's link (netem, or nftables: whole %%)")
+    p.add_argument("--loss", type=lambda s: [float(x) for x in s.split(",")], default=[0.0],
+                   help="random loss in %% per direction on every worker's link, comma-separated: 0,1 runs lossless "
+                        "and 1 %% interleaved and compares them (netem, or nftables: whole %%)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of every configuration (medians are reported)")
     p.add_argument("--loss-udp-only", action="store_true", help="drop only UDP (gloo's TCP and the rendezvous "
                                                                  "are spared)")
     p.add_argument("--run-timeout", type=float, default=300.0, help="seconds for one configuration")

@@ -69,6 +69,29 @@ def test_a_silent_path_backs_off_further() -> None:
     assert slow.rto(5, silent=1.0) == pytest.approx(0.3) and slow.rto(5, silent=1.25) == pytest.approx(0.6)
 
 
+def test_the_oldest_use_of_a_window_is_never_backed_off_for_silence() -> None:
+    """The others wait for this worker to move its window on: its oldest open use keeps rto * 2 (one
+    doubling), the rest get the silent path's backoff (6 and 192 ms with a 3 ms timeout, as above)."""
+    p = pacer(min_timeout=0.001)
+    p.sample(0.001)
+    assert np.allclose(p.window_rto(np.array([9, 9, 0]), silent=100.0), [0.006, 0.192, 0.003])
+    assert np.allclose(p.window_rto(np.array([9, 9]), silent=0.1), [0.006, 0.006])
+    assert p.window_rto(np.array([], np.int64), silent=100.0).size == 0
+
+
+def test_the_first_timeout_doubles_once_per_timeout_not_once_per_expiry() -> None:
+    """Before any sample a window of uses expiring one after another doubles the first timeout once
+    (10 -> 20 ms); the next doubling needs another full timeout (20 ms) to pass."""
+    p = pacer()
+    for now in (0.0, 0.001, 0.002, 0.009):
+        p.expired(now, 3)
+    assert p.rto() == pytest.approx(0.02)
+    p.expired(0.015, 3)  # 15 ms after the doubling, within the doubled 20 ms timeout
+    assert p.rto() == pytest.approx(0.02)
+    p.expired(0.020, 3)
+    assert p.rto() == pytest.approx(0.04)
+
+
 def test_waits_for_other_workers_do_not_inflate_the_timeout() -> None:
     """A quarter of the clean samples waited 0.5 s for another worker's recovery: the lower quartile of
     the last 32 is still the 2 ms of the others (RFC 6298's mean + 4 deviations would be about 0.6 s)."""

@@ -437,6 +437,33 @@ def test_transport_paces_by_its_policy() -> None:
         TransportConfig(cfg, worker=0, timeout=0.5, max_timeout=0.1)
 
 
+def test_a_late_peer_at_the_norm_barrier_teaches_the_pacer_nothing() -> None:
+    """The norm stage waits for the last worker to reach it, not for the path: worker 0 waits 0.3 s for
+    worker 1 and resends its norm meanwhile, yet its pacer keeps no round trip and its first timeout
+    (10 ms) undoubled. (Before, each expiry at the barrier doubled it: the first data window of a lossy
+    run then waited up to 0.8 s per lost use.) A data exchange afterwards does measure the path."""
+    cfg = JobConfig(workers=2, slots=8, elems=K)
+    with serving(cfg) as srv, \
+            Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv.port), timeout=0.01)) as t0, \
+            Transport(TransportConfig(cfg, worker=1, aggregator=("127.0.0.1", srv.port), timeout=0.01)) as t1:
+        def late() -> None:
+            time.sleep(0.3)
+            t1.exchange_norm(2.0)
+
+        th = threading.Thread(target=late)
+        th.start()
+        assert t0.exchange_norm(1.0) == (2.0, 2)
+        th.join(10)
+        assert t0.stats.retransmissions >= 5  # it did wait and resend
+        assert t0.pacer.rtt is None and t0.pacer.rto() == 0.01
+        idx = np.zeros(8 * K, np.uint8)
+        th = threading.Thread(target=t1.exchange_indices, args=(idx,))
+        th.start()
+        t0.exchange_indices(idx)
+        th.join(10)
+        assert t0.pacer.rtt is not None
+
+
 @contextlib.contextmanager
 def delaying_relay(target: int, delay: float, capacity: int | None = None) -> Iterator[int]:
     """A UDP relay on loopback that holds every worker->aggregator datagram ``delay`` seconds (a queue
@@ -496,6 +523,27 @@ def test_adaptive_timeout_stops_spurious_retransmissions() -> None:
             retx[adaptive] = tr.stats.retransmissions
     assert retx[False] >= 64 * 2, retx
     assert retx[True] < retx[False] / 4, retx
+
+
+def test_one_lost_use_does_not_stop_the_window() -> None:
+    """Window 4 of 16 slots, and the very first datagram is lost: while use 0 waits its 0.2 s timeout,
+    uses 1..15 go out and are answered (answered uses leave the window, as SACKed segments leave TCP's
+    pipe); use 0 is then the only one resent. A sliding window would have stopped at use 3 until it."""
+    cfg = JobConfig(workers=1, slots=16, elems=K)
+    sent: list[int] = []
+
+    class FirstLost(Transport):
+        def _send(self, data: bytes, slot: int) -> None:
+            sent.append(slot)
+            if len(sent) > 1:
+                super()._send(data, slot)
+
+    idx = np.random.default_rng(5).integers(0, 16, 16 * K).astype(np.uint8)
+    with serving(cfg) as srv, FirstLost(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv.port),
+                                                        timeout=0.2, min_timeout=0.2, window=4)) as tr:
+        res = tr.exchange_indices(idx)
+    assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
+    assert sent == [*range(16), 0], sent
 
 
 def test_congestion_window_backs_off_a_full_queue() -> None:

@@ -5,8 +5,12 @@ Random loss must cost little and congestion must still slow a worker down, so th
 
 - Timeout: ``RTO_FACTOR`` times the round trip of a use, never below ``min_timeout`` nor above
   ``max_timeout``. Until the first use is answered without retransmission (Karn's rule) it is
-  ``timeout``, doubled by every expiry (as TCP's first timeout): behind a path slower than ``timeout``
-  no use would otherwise ever be answered on its first send, and no sample would ever come. (With one
+  ``timeout``, doubled by expiries at most once per timeout (as TCP's first timeout): behind a path
+  slower than ``timeout`` no use would otherwise ever be answered on its first send, and no sample
+  would ever come. (Doubled by every expiry, a window of uses waiting for a late worker pushed it to
+  its ceiling at once.) The norm stage does not count (``Transport._exchange(paced=False)``): its
+  answers wait for the last worker to reach the barrier, and under 10 % loss its expiries alone had
+  doubled the first data window's timeout to 0.8 s. (With one
   sample, 3 x the sample is also RFC 6298's first timeout, R + 4 R/2.) The round trip is the lower
   quartile of the last ``SAMPLES`` clean uses, not RFC 6298's mean and deviation: a use also waits for
   the other workers, and while one of them recovers from a loss every other worker's clean sample grows
@@ -15,12 +19,17 @@ Random loss must cost little and congestion must still slow a worker down, so th
   quartile ignores the waits as long as most uses are on time. The backoff is per use, not per
   transport: a use resent ``k`` times waits rto * 2^min(k, ``max_backoff``) with ``max_backoff`` 1 by
   default. One lost packet therefore delays only its own use, and a run of random losses cannot pile
-  the timeout up to its ceiling. Behind a sliding window a use stuck in backoff stalls every use after
-  it: on a 1 Gbit/s link with 10 % loss each way among 4 workers, 3 doublings made the run 11x slower
-  than lossless, 1 doubling 4.4x. A path that answers nothing at all for ``SILENT_RTOS`` timeouts and
+  the timeout up to its ceiling. A use stuck in backoff holds its slot, and S uses later the window
+  (``Transport._exchange``) cannot go on: on a 1 Gbit/s link with 10 % loss each way among 4
+  workers, 3 doublings made the run 11x slower than lossless, 1 doubling 4.4x (both measured with a
+  window that slid from the oldest open use). A path that answers nothing at all for ``SILENT_RTOS`` timeouts and
   at least ``SILENT_S`` (the aggregator is down or restarting) is a different thing: then one more
   doubling is allowed per doubling of the silence, up to ``DEAD_BACKOFF``, so that a window of
-  retransmissions does not hammer it, and back to ``max_backoff`` at the next answer.
+  retransmissions does not hammer it, and back to ``max_backoff`` at the next answer; except for the
+  oldest open use (``window_rto``). A trace of a loopback run at 10 % loss (13.8x its lossless time)
+  showed why: the workers wait for each other too, so one worker's silence is another's stall; the
+  worker furthest behind, backed off for silence, resent its oldest use (complete at the aggregator,
+  its answer lost) once a second while the other three waited for it, 0.7 to 4 s at a time.
 - Window: starts at ``initial_window`` uses, grows by one use per answer (slow start) up to
   ``ssthresh``, then by one use per window of answers, up to ``max_window``; but not while the worker's
   own uses queue: queue = window * (1 - base / recent), with base the least clean round trip seen and
@@ -105,7 +114,8 @@ class Pacer:
         self.ssthresh = float(max_window)
         self.cuts = 0  #: window cuts so far (bursts seen)
         self._last_cut = -math.inf
-        self._startup_backoff = 0  #: expiries before the first sample (each doubles the first timeout)
+        self._startup_backoff = 0  #: doublings of the first timeout before the first sample
+        self._last_startup_bump = -math.inf
 
     def base_rto(self) -> float:
         """The timeout of a use sent for the first time, in seconds."""
@@ -125,6 +135,18 @@ class Pacer:
             cap = min(DEAD_BACKOFF, cap + 1 + int(math.log2(silent / dead)))
         out = np.minimum(self.max_timeout, base * np.exp2(np.minimum(tries, cap)))
         return float(out) if np.isscalar(tries) else out
+
+    def window_rto(self, tries: np.ndarray, silent: float = 0.0) -> np.ndarray:
+        """The timeouts of the open uses of a window, oldest first (``tries`` as for ``rto``): the oldest
+        is never backed off for silence. It is the use every later one waits behind, and often one that
+        the aggregator completed long ago and answers at once (its answer was lost); the other workers
+        wait for this worker to move its window on. Backing it off as well made the workers of a 10 %
+        loss run wait for each other's silence, seconds at a time. One datagram per timeout does not
+        hammer an aggregator that is down."""
+        out = np.atleast_1d(np.asarray(self.rto(tries, silent=silent), float))
+        if out.size:
+            out[0] = self.rto(int(tries[0]))
+        return out
 
     def burst_run(self) -> int:
         """Consecutive first-send losses that make a burst now: ``BURST_RUN``, or half the window if more
@@ -167,12 +189,15 @@ class Pacer:
 
     def expired(self, now: float, count: int = 1, burst: bool = False) -> None:
         """``count`` uses timed out at ``now`` (seconds, monotonic): before the first sample, double the
-        first timeout; halve the window when they completed a burst (``extend_loss_runs``), at most once
-        per round trip."""
+        first timeout, at most once per timeout (as TCP backs off once per expiry of its timer, not per
+        segment: a window of uses expiring one after another doubled it to its ceiling at once); halve
+        the window when they completed a burst (``extend_loss_runs``), at most once per round trip."""
         if count <= 0:
             return
-        if self.rtt is None and self.adaptive_timeout and self.base_rto() < self.max_timeout:
+        if self.rtt is None and self.adaptive_timeout and self.base_rto() < self.max_timeout and \
+                now - self._last_startup_bump >= self.base_rto():
             self._startup_backoff += 1
+            self._last_startup_bump = now
         if not self.congestion_control or not burst:
             return
         # Expiries come one timeout after their sends, so the losses of a burst spread over a timeout.

@@ -1,7 +1,7 @@
 """Worker transport: one worker's allreduce through a THC aggregator over UDP.
 
 ``Transport`` runs *uses* of the job's slot pool (docs/protocol.md): use u takes slot u mod S with
-that slot's next round; a sliding window keeps at most W <= S uses in flight and never starts a use
+that slot's next round; at most W <= S uses are open (sent and unanswered) at a time, and no use starts
 before the previous use of its slot has finished. Two loss policies decide what a missing result
 means:
 
@@ -346,7 +346,8 @@ class Transport:
             return True
 
         lost = self._exchange(slots, rounds, rows, accept, lambda _i: (0,), tensor=tensor,
-                              policy=policy or cfg.loss_policy, what=f"job {p.job}, this key and table")
+                              policy=policy or cfg.loss_policy, what=f"job {p.job}, this key and table",
+                              paced=not is_norm)
         return UseResults(sums, contrib, bitmap, lost)
 
     # -- the engine --------------------------------------------------------------------------------
@@ -364,7 +365,7 @@ class Transport:
 
     def _exchange(self, slots: np.ndarray, rounds: np.ndarray, packets: list[list[bytes]],
                   accept: Callable[[int, Header, int], bool | None], resend: Callable[[int], Iterable[int]], *,
-                  tensor: int, policy: LossPolicy, what: str) -> np.ndarray:
+                  tensor: int, policy: LossPolicy, what: str, paced: bool = True) -> np.ndarray:
         """The one retransmission engine: run uses until each is answered or lost; return which were lost.
 
         Use i (slot ``slots[i]``, round ``rounds[i]``) sends the datagrams ``packets[i]``; at most the
@@ -374,6 +375,9 @@ class Transport:
         is complete; False, accepted but not complete; None, not an answer of the use (counted as
         unexpected). A straggler notice for the use's round marks it lost. Nothing at all for
         ``deadline`` seconds raises AggregatorUnreachable (``what`` names the job in the message).
+        ``paced`` False (the norm stage): the uses' timing teaches the pacer nothing, neither round trips
+        nor expiries nor answers: a barrier's answer waits for the last worker to reach it (process start,
+        compute skew), not for the path.
         """
         cfg, p = self.cfg, self.cfg.params
         count = len(slots)
@@ -385,19 +389,31 @@ class Transport:
         by_slot: dict[int, int] = {}
         base = nxt = 0
         last_answer = time.monotonic()
+
+        def room(base: int, nxt: int) -> int:
+            """Uses that may start now: open uses (sent, unanswered, resent or not) stay within the
+            pacer's window, and no use reaches the slot of an unfinished one (S uses past the oldest).
+            An answered use leaves the window even while an older one waits, as a SACKed segment leaves
+            TCP's pipe (RFC 6675): one lost packet must not stop the sending."""
+            open_ = nxt - base - int(np.count_nonzero(done[base:nxt]))
+            return max(0, min(self.pacer.window() - open_, base + p.slots - nxt, count - nxt))
+
         while base < count:
+            while done[base]:  # the oldest open use first: window_rto treats it apart
+                base += 1
+                if base == count:
+                    return lost
             now = time.monotonic()
-            window = self.pacer.window()
-            while nxt < count and nxt < base + window:
+            for _ in range(room(base, nxt)):
                 by_slot[int(slots[nxt])] = nxt
                 for data in packets[nxt]:
                     self._send(data, int(slots[nxt]))
                 sent_at[nxt] = now
                 nxt += 1
             # Resend or give up what timed out (each resend backs that use's timeout off, see pacing.py).
-            rto = self.pacer.rto(tries[base:nxt], silent=now - last_answer)
+            rto = self.pacer.window_rto(tries[base:nxt], silent=now - last_answer)
             due = base + np.flatnonzero(~done[base:nxt] & (now - sent_at[base:nxt] >= rto))
-            if due.size:
+            if due.size and paced:
                 burst = extend_loss_runs(runs, due[tries[due] == 0], self.pacer.burst_run())
                 self.pacer.expired(now, int(due.size), burst=burst)
             for i in due.tolist():
@@ -417,10 +433,11 @@ class Transport:
                     f"other workers sending?")
             while base < count and done[base]:
                 base += 1
-            if base >= count or (nxt < count and nxt < base + self.pacer.window()):
+            if base >= count or room(base, nxt):
                 continue
             open_ = ~done[base:nxt]
-            deadlines = sent_at[base:nxt][open_] + self.pacer.rto(tries[base:nxt][open_], silent=now - last_answer)
+            deadlines = sent_at[base:nxt][open_] + self.pacer.window_rto(tries[base:nxt][open_],
+                                                                          silent=now - last_answer)
             wait = max(0.0, float(deadlines.min()) - now) if deadlines.size else 0.0
             ready, _, _ = select.select(self.socks, [], [], max(wait, 0.0005))
             for sock in ready:
@@ -455,9 +472,10 @@ class Transport:
                         self.stats.unexpected += 1
                     elif verdict:
                         done[i] = True
-                        if tries[i] == 0:
-                            self.pacer.sample(last_answer - sent_at[i])
-                        self.pacer.answered(last_answer)
+                        if paced:
+                            if tries[i] == 0:
+                                self.pacer.sample(last_answer - sent_at[i])
+                            self.pacer.answered(last_answer)
                         by_slot.pop(h.slot, None)
                         self.stats.results += 1
                         if sock is not self.sock:
