@@ -1,12 +1,14 @@
-"""The state table as one compiled loop (numba): the batch engine's hot path without per-packet Python.
+"""The checks and the state table as compiled loops (numba): the batch engine's hot path without
+per-packet Python.
 
-``apply_rows`` walks one job's valid packets of a batch in arrival order exactly as the rows of
-docs/protocol.md's state table say (FRESH or NEWER, ACTIVE, COMPLETE, STALE, then the completion
-check), looks the payload up (b-bit indices through the job's table, or big-endian int32), adds into
-the job's registers, and writes every answer (header patched from the request, payload at the result
-width) straight into the output buffer. ``aggregator.engine.Aggregator`` calls it after its vectorised
-validation when ``compiled=True``; tests/test_fuzz.py holds it to the reference state machine byte for
-byte, like the engine's numpy paths.
+``validate_rows`` applies docs/protocol.md's checks to a batch in their order and counts each dropped
+packet under the first it fails. ``apply_rows`` walks one job's valid packets of a batch in arrival
+order exactly as the rows of docs/protocol.md's state table say (FRESH or NEWER, ACTIVE, COMPLETE,
+STALE, then the completion check), looks the payload up (b-bit indices through the job's table, or
+big-endian int32), adds into the job's registers, and writes every answer (header patched from the
+request, payload at the result width) straight into the output buffer.
+``aggregator.engine.Aggregator`` calls both when ``compiled=True``; tests/test_fuzz.py holds them to
+the reference state machine byte for byte, like the engine's numpy paths.
 
 Why numba and not a C extension: the loop is 80 lines of arithmetic on numpy arrays that the engine
 already owns (no copies, no marshalling), it compiles on the user's machine with nothing but a wheel
@@ -18,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from worker_lib.wire.layout import HEADER_BYTES, PacketType
+from worker_lib.wire.layout import HEADER_BYTES, VERSION, PacketType, field_offsets
 from worker_lib.wire.protocol import Counter
 
 # Plain ints: numba folds module-level integers into the compiled code as constants.
@@ -28,6 +30,15 @@ _ACCEPTED, _NEW_ROUND, _COMPLETED = int(Counter.ACCEPTED), int(Counter.NEW_ROUND
 _RETAINED, _DUPLICATE, _STRAGGLER_C = int(Counter.RETAINED), int(Counter.DUPLICATE), int(Counter.STRAGGLER)
 _MISMATCH, _ELEMENTS = int(Counter.KIND_MISMATCH), int(Counter.ELEMENTS)
 _H = HEADER_BYTES
+_VERSION = VERSION
+_OFF = field_offsets()
+_O_VER, _O_TYPE, _O_JOB, _O_KEY, _O_TABLE = _OFF["version"], _OFF["type"], _OFF["job"], _OFF["key"], _OFF["table_id"]
+_O_WORKER, _O_SLOT, _O_ROUND, _O_ELEMS, _O_WIDTH = _OFF["worker"], _OFF["slot"], _OFF["round"], _OFF["elems"], \
+    _OFF["width"]
+_SHORT, _BAD_VERSION, _BAD_TYPE = int(Counter.SHORT), int(Counter.BAD_VERSION), int(Counter.BAD_TYPE)
+_UNKNOWN_JOB, _BAD_KEY, _BAD_TABLE = int(Counter.UNKNOWN_JOB), int(Counter.BAD_KEY), int(Counter.BAD_TABLE)
+_BAD_WORKER, _BAD_SLOT, _WRONG_SHARD = int(Counter.BAD_WORKER), int(Counter.BAD_SLOT), int(Counter.WRONG_SHARD)
+_BAD_FORMAT, _BAD_NORM = int(Counter.BAD_FORMAT), int(Counter.BAD_NORM)
 
 
 @njit(cache=True, inline="always")
@@ -42,6 +53,83 @@ def _put32(row: np.ndarray, at: int, v: int) -> None:
     row[at + 1] = (v >> 16) & 0xFF
     row[at + 2] = (v >> 8) & 0xFF
     row[at + 3] = v & 0xFF
+
+
+@njit(cache=True, inline="always")
+def _get16(row: np.ndarray, at: int) -> int:
+    return (np.int64(row[at]) << 8) | np.int64(row[at + 1])
+
+
+@njit(cache=True, inline="always")
+def _get32(row: np.ndarray, at: int) -> int:
+    return (_get16(row, at) << 16) | _get16(row, at + 2)
+
+
+@njit(cache=True)
+def validate_rows(buf: np.ndarray, lens: np.ndarray, n: int, params: np.ndarray, shard: int, shards: int,
+                  typ: np.ndarray, job: np.ndarray, worker: np.ndarray, slot: np.ndarray, rnd: np.ndarray,
+                  norm_bits: np.ndarray, good: np.ndarray, counters: np.ndarray) -> tuple[int, bool]:
+    """The checks of docs/protocol.md for rows 0..n-1 of ``buf``, in its order: each dropped row is counted
+    under the first check it fails. Writes the header fields the state table needs into ``typ`` ..
+    ``norm_bits`` (job and worker for every row: the server learns addresses from the valid ones) and the
+    valid rows into ``good``. ``params[:, j]`` is job j's known flag, key, table id, workers, slots, K,
+    DATA width and DATA payload bytes. Returns the count of valid rows and whether they are all of one
+    job. (The same checks as numpy expressions cost about 25 us per batch whatever its size: most of a
+    small batch's time.)"""
+    g = 0
+    one_job = True
+    for i in range(n):
+        job[i] = 0
+        worker[i] = 0
+        length = lens[i]
+        if length < _H:
+            counters[_SHORT] += 1
+            continue
+        row = buf[i]
+        t = np.int64(row[_O_TYPE])
+        j = _get16(row, _O_JOB)
+        w = np.int64(row[_O_WORKER])
+        s = _get16(row, _O_SLOT)
+        job[i], worker[i] = j, w
+        is_norm = t == _NORM
+        if row[_O_VER] != _VERSION:
+            code = _BAD_VERSION
+        elif t != _DATA and not is_norm:
+            code = _BAD_TYPE
+        elif params[0, j] == 0:
+            code = _UNKNOWN_JOB
+        elif _get32(row, _O_KEY) != params[1, j]:
+            code = _BAD_KEY
+        elif _get16(row, _O_TABLE) != params[2, j]:
+            code = _BAD_TABLE
+        elif w >= params[3, j]:
+            code = _BAD_WORKER
+        elif s >= params[4, j]:
+            code = _BAD_SLOT
+        elif s % shards != shard:
+            code = _WRONG_SHARD
+        elif (_get16(row, _O_ELEMS) != (1 if is_norm else params[5, j])
+              or np.int64(row[_O_WIDTH]) != (32 if is_norm else params[6, j])
+              or length != _H + (4 if is_norm else params[7, j])):
+            code = _BAD_FORMAT
+        else:
+            code = 0
+            if is_norm:
+                bits = _get32(row, _H)
+                if bits >> 31 != 0 or ((bits >> 23) & 0xFF) == 0xFF:
+                    code = _BAD_NORM
+                norm_bits[i] = bits
+            else:
+                norm_bits[i] = 0
+        if code:
+            counters[code] += 1
+            continue
+        typ[i], slot[i], rnd[i] = t, s, _get16(row, _O_ROUND)
+        if g and j != job[good[0]]:
+            one_job = False
+        good[g] = i
+        g += 1
+    return g, one_job
 
 
 @njit(cache=True)
@@ -202,9 +290,12 @@ def apply_rows(rows: np.ndarray, typ: np.ndarray, worker: np.ndarray, slot: np.n
 
 def warm_up(out_buf: np.ndarray, out_len: np.ndarray, out_src: np.ndarray, out_fanout: np.ndarray,
             out_job: np.ndarray, counters: np.ndarray) -> None:
-    """Compile (or load from numba's cache) ``apply_rows`` for the engine's array types now, at
-    configuration, so that the first batch does not wait for the compiler (seconds the first time)."""
+    """Compile (or load from numba's cache) ``validate_rows`` and ``apply_rows`` for the engine's array
+    types now, at configuration, so that the first batch does not wait for the compiler (seconds the
+    first time)."""
     i64, none = np.zeros(1, np.int64), np.zeros(0, np.int64)
+    validate_rows(np.zeros((1, _H), np.uint8), i64.copy(), 0, np.zeros((8, 1), np.int64), 0, 1, i64, i64, i64,
+                  i64, i64, i64, i64.copy(), counters)
     apply_rows(none, i64, i64, i64, i64, i64, np.zeros((1, _H), np.uint8), 0, True, 4, 8, 1, 8,
                np.zeros(16, np.int32), np.zeros(1, bool), i64.copy(), i64.copy(), i64.copy(), i64.copy(),
                np.zeros(2, bool), i64.copy(), i64.copy(), np.zeros((1, 2, 8), np.int32), out_buf, out_len,

@@ -163,20 +163,20 @@ class Aggregator:
         self.compiled = compiled
         self.counters = np.zeros(len(Counter), np.int64)
         self.jobs: dict[int, JobState] = {}
-        # Per-job-id parameter arrays for vectorized validation (fixed size: job ids are 16 bits).
-        self._known = np.zeros(1 << 16, bool)
-        self._key = np.zeros(1 << 16, np.int64)
-        self._table = np.zeros(1 << 16, np.int64)
-        self._n = np.zeros(1 << 16, np.int64)
-        self._slots = np.zeros(1 << 16, np.int64)
-        self._elems = np.zeros(1 << 16, np.int64)
-        self._dwidth = np.zeros(1 << 16, np.int64)
-        self._dbytes = np.zeros(1 << 16, np.int64)
+        # Per-job-id parameters of the validation (fixed size: job ids are 16 bits), one row each: known
+        # (0/1), key, table id, workers, slots, K, DATA width, DATA payload bytes (the compiled check reads
+        # the whole array; the numpy one its rows through the names below).
+        self._params = np.zeros((8, 1 << 16), np.int64)
+        (self._known, self._key, self._table, self._n, self._slots, self._elems, self._dwidth,
+         self._dbytes) = self._params
         self.out = Outputs.allocate(max_batch, stride)
         if compiled:
-            from aggregator.compiled import apply_rows, warm_up
+            from aggregator.compiled import apply_rows, validate_rows, warm_up
 
-            self._apply_rows = apply_rows
+            self._apply_rows, self._validate_rows = apply_rows, validate_rows
+            # The header fields of a batch's rows and its valid rows, written by validate_rows.
+            self._fields = {k: np.zeros(max_batch, np.int64)
+                            for k in ("typ", "job", "worker", "slot", "rnd", "norm_bits", "good")}
             warm_up(self.out.buf, self.out.length, self.out.src, self.out.fanout, self.out.job, self.counters)
         self._out_headers = header_view(self.out.buf)
         # Header fields of this batch's outputs, written in one vectorized pass at the end.
@@ -202,7 +202,7 @@ class Aggregator:
                                  f"the aggregator's buffer stride {self.stride}")
         j = cfg.job
         self.jobs[j] = JobState(cfg)
-        self._known[j] = True
+        self._known[j] = 1
         self._key[j] = cfg.key
         self._table[j] = cfg.table_id
         self._n[j] = cfg.workers
@@ -215,7 +215,7 @@ class Aggregator:
     def remove_job(self, job: int) -> None:
         """Forget a job and free its registers; its packets are then dropped as unknown."""
         if self.jobs.pop(job, None) is not None:
-            self._known[job] = False
+            self._known[job] = 0
             log.info("job %d removed", job)
 
     # -- reference API ---------------------------------------------------------------------------
@@ -244,6 +244,8 @@ class Aggregator:
         c[_CI.RX] += n
         if n < self.scalar_below and not self.compiled:
             return self._process_scalar(buf, lengths, n)
+        if self.compiled:
+            return self._process_compiled(buf, lengths, n)
         lens = np.asarray(lengths, np.int64)
         h = header_view(buf[:n])
         ver = h["version"].astype(np.int64)
@@ -254,6 +256,7 @@ class Aggregator:
         elems = h["elems"].astype(np.int64)
         width = h["width"].astype(np.int64)
         is_norm = typ == _PT.NORM
+        known = self._known[job] != 0
         key_ok = h["key"].astype(np.int64) == self._key[job]
         table_ok = h["table_id"].astype(np.int64) == self._table[job]
         format_ok = ((elems == np.where(is_norm, 1, self._elems[job]))
@@ -265,7 +268,7 @@ class Aggregator:
             nb = buf[:n, HEADER_BYTES:HEADER_BYTES + 4].astype(np.int64)
             norm_bits = (nb[:, 0] << 24) | (nb[:, 1] << 16) | (nb[:, 2] << 8) | nb[:, 3]
             norm_ok = ~is_norm | ((norm_bits >> 31 == 0) & (((norm_bits >> 23) & 0xFF) != 0xFF))
-        ok = ((lens >= HEADER_BYTES) & (ver == VERSION) & (is_norm | (typ == _PT.DATA)) & self._known[job]
+        ok = ((lens >= HEADER_BYTES) & (ver == VERSION) & (is_norm | (typ == _PT.DATA)) & known
               & key_ok & table_ok & (worker < self._n[job]) & (slot < self._slots[job]) & format_ok & norm_ok)
         if self.shards > 1:
             ok &= slot % self.shards == self.shard
@@ -276,7 +279,7 @@ class Aggregator:
             reason = np.zeros(n, np.int64)
             for cond, code in ((lens < HEADER_BYTES, _CI.SHORT), (ver != VERSION, _CI.BAD_VERSION),
                                ((typ != _PT.DATA) & ~is_norm, _CI.BAD_TYPE),
-                               (~self._known[job], _CI.UNKNOWN_JOB), (~key_ok, _CI.BAD_KEY),
+                               (~known, _CI.UNKNOWN_JOB), (~key_ok, _CI.BAD_KEY),
                                (~table_ok, _CI.BAD_TABLE), (worker >= self._n[job], _CI.BAD_WORKER),
                                (slot >= self._slots[job], _CI.BAD_SLOT),
                                (slot % self.shards != self.shard, _CI.WRONG_SHARD),
@@ -288,8 +291,6 @@ class Aggregator:
         if good.size == 0:
             return out
         rnd = h["round"].astype(np.int64)
-        if self.compiled:
-            return self._process_compiled(buf, good, job, typ, worker, slot, rnd, norm_bits)
         values: dict[int, np.ndarray] = {}
         row_pos = np.full(n, -1, np.int64)
         slow: list[np.ndarray] = []
@@ -353,19 +354,27 @@ class Aggregator:
             self._finish_headers(buf)
         return self.out
 
-    def _process_compiled(self, buf: np.ndarray, good: np.ndarray, job: np.ndarray, typ: np.ndarray,
-                          worker: np.ndarray, slot: np.ndarray, rnd: np.ndarray, norm_bits: np.ndarray) -> Outputs:
-        """The state table for the valid rows ``good``, one compiled loop per job (aggregator.compiled)."""
-        out = self.out
-        good_jobs = job[good]
-        for j in (good_jobs[:1] if (good_jobs == good_jobs[0]).all() else np.unique(good_jobs)).tolist():
+    def _process_compiled(self, buf: np.ndarray, lengths: np.ndarray, n: int) -> Outputs:
+        """``process`` compiled (aggregator.compiled): the checks in one loop, then the state table in one
+        loop per job of the valid rows."""
+        out, f = self.out, self._fields
+        lens = lengths if lengths.dtype == np.int64 else np.asarray(lengths, np.int64)
+        count, one_job = self._validate_rows(buf, lens, n, self._params, self.shard, self.shards, f["typ"], f["job"],
+                                             f["worker"], f["slot"], f["rnd"], f["norm_bits"], f["good"],
+                                             self.counters)
+        good = f["good"][:count]
+        job = f["job"][:n]
+        self.last_good, self.last_job, self.last_worker = good, job, f["worker"][:n]
+        if count == 0:
+            return out
+        for j in ([int(job[good[0]])] if one_job else np.unique(job[good]).tolist()):
             js, cfg = self.jobs[j], self.jobs[j].cfg
-            rows = good if len(self.jobs) == 1 else good[good_jobs == j]
+            rows = good if one_job else good[job[good] == j]
             out.count = self._apply_rows(
-                rows, typ, worker, slot, rnd, norm_bits, buf, j, cfg.kind == "thc", cfg.bits, cfg.elems,
-                cfg.threshold, cfg.result_bits, js.table32, js.used, js.cur_round, js.bank_round,
-                js.bitmap, js.count, js.complete, js.kind, js.norm, js.sums, out.buf, out.length, out.src, out.fanout,
-                out.job, out.count, self.counters)
+                rows, f["typ"], f["worker"], f["slot"], f["rnd"], f["norm_bits"], buf, j, cfg.kind == "thc",
+                cfg.bits, cfg.elems, cfg.threshold, cfg.result_bits, js.table32, js.used, js.cur_round,
+                js.bank_round, js.bitmap, js.count, js.complete, js.kind, js.norm, js.sums, out.buf, out.length,
+                out.src, out.fanout, out.job, out.count, self.counters)
         return out
 
     @staticmethod

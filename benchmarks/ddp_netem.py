@@ -53,7 +53,8 @@ class Run:
 def model_args(args: argparse.Namespace) -> list[str]:
     return ["--width", str(args.width), "--layers", str(args.layers), "--in-features", str(args.in_features),
             "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--lr", "0.01", "--deadline", "60", "--mtu", str(args.mtu), "--timeout", str(args.timeout)]
+            "--lr", "0.01", "--deadline", "60", "--mtu", str(args.mtu), "--timeout", str(args.timeout),
+            "--slots", str(args.slots)]
 
 
 def elems_for(job_kind: str, args: argparse.Namespace) -> int | None:
@@ -127,7 +128,8 @@ def run_all(args: argparse.Namespace) -> list[dict]:
                 if jobs:
                     agg = start_aggregator(net, [
                         JobConfig(job=j, workers=args.workers, kind=kind(m), multicast=GROUP if m.endswith("mcast")
-                                  else None, mtu=args.mtu, elems=elems_for(kind(m), args)) for m, j in jobs.items()],
+                                  else None, mtu=args.mtu, elems=elems_for(kind(m), args), slots=args.slots)
+                        for m, j in jobs.items()],
                         multicast=any(m.endswith("mcast") for m in modes))
                 for mode in args.modes:
                     row = measure(net, Run(rate, mode, pct), jobs.get(mode, 9), args, agg.pid if agg else None,
@@ -222,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--qdisc", choices=("tbf", "htb"), default="tbf")
     p.add_argument("--mtu", type=int, default=1500, help="MTU of every link (9000: jumbo frames, for every mode)")
     p.add_argument("--elems", type=int, help="elements per aggregator packet K (default: the job's for the MTU)")
+    p.add_argument("--slots", type=int, default=128,
+                   help="slots S of the aggregator's jobs: the most uses a worker runs ahead of its oldest "
+                        "unanswered one (at least the packets sent during a loss's recovery)")
     p.add_argument("--timeout", type=float, default=0.05, help="workers' least retransmission timeout, s")
     p.add_argument("--loss", type=lambda s: [float(x) for x in s.split(",")], default=[0.0],
                    help="random loss in %% per direction on every worker's link, comma-separated: 0,1 runs lossless "

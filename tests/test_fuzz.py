@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -37,11 +38,13 @@ def _batch(wires: list[bytes], stride: int) -> tuple[np.ndarray, np.ndarray]:
     return buf, np.array([len(w) for w in wires])
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.binary(max_size=80), min_size=1, max_size=40))
-def test_random_bytes_never_crash_and_are_counted(packets: list[bytes]) -> None:
-    """Any datagrams: no exception, no output for garbage, and every packet lands in exactly one counter."""
-    agg = Aggregator([CFG], max_batch=64)
+def test_random_bytes_never_crash_and_are_counted(compiled: bool, packets: list[bytes]) -> None:
+    """Any datagrams: no exception, no output for garbage, and every packet lands in exactly one counter
+    (both engines)."""
+    agg = Aggregator([CFG], max_batch=64, compiled=compiled)
     agg.process(*_batch(packets, agg.stride))
     c = agg.counters
     from worker_lib.wire.protocol import DROP_COUNTERS
