@@ -1,10 +1,13 @@
 """Benchmark of the userspace aggregator (not a timed test; medians of interleaved runs).
 
-1. A load generator emulating n = 4 workers (one socket, worker ids 0..3) with K = 1024 4-bit
-   indices per packet, closed loop with a window of outstanding packets, against
-   (a) a raw UDP reflector on the same batched I/O layer (aggregator/io.py) with no aggregation
-       logic, and (b) ``thc-aggregator`` (1 shard, then 2 shards), in the same run.
-   Reported: packets/s, aggregated elements/s (K per packet, SwitchML's metric) and the ratio b/a.
+1. A load generator emulating n = 4 workers (one socket, worker ids 0..3) with K 4-bit indices per
+   packet (``--elems``, default 256, 1024 and 8192), closed loop with a window of outstanding
+   packets, against (a) a raw UDP reflector on the same batched I/O layer (aggregator/io.py) with no
+   aggregation logic, (a') the same reflector in C (benchmarks/c_reflector.c, compiled here with
+   ``cc``: the machine's I/O limit), and (b) ``thc-aggregator`` (compiled and numpy engines, 1 shard;
+   compiled, 2 shards), interleaved in the same run. Reported: packets/s, aggregated elements/s (K
+   per packet, SwitchML's metric) and the ratios b/a and b/a'. Targets (issue 16, K = 1024): >= 0.9
+   of the Python reflector, >= 0.7 of the C one.
 2. The wall time of a 2^20-coordinate allreduce among 4 worker processes through the aggregator
    (``thc-allreduce``'s machinery) next to torch.distributed (gloo) all_reduce of the same float32
    tensor among 4 processes.
@@ -15,7 +18,7 @@
    decode + float sum + re-encode, whose share the ``cpu_ns`` counter gives), at n = 2, 4, 8, with
    the ratios DAR / THC. Torch runs on one thread, like the numpy THC path; no I/O is timed.
 
-    python benchmarks/aggregator.py [--seconds 3] [--json]
+    python benchmarks/aggregator.py [--seconds 3] [--elems 256,1024,8192] [--skip-allreduce] [--json]
     python benchmarks/aggregator.py --cost [--cost-dim 262144] [--cost-rounds 3] [--json]
 """
 
@@ -29,6 +32,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,6 +60,22 @@ def reflector(port_q: mp.Queue, stop: mp.Event) -> None:
         n = bs.recv()
         if n:
             bs.send(bs.rx, rows[:n], bs.rx_len[:n], bs.rx_addr[:n])
+
+
+def build_c_reflector(workdir: Path) -> Path | None:
+    """benchmarks/c_reflector.c compiled with the machine's ``cc`` into ``workdir``; None (with one line on
+    stderr) when there is no C compiler or it fails."""
+    src = Path(__file__).with_name("c_reflector.c")
+    exe = workdir / "c_reflector"
+    try:
+        proc = subprocess.run(["cc", "-O2", "-o", str(exe), str(src)], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        print(f"C reflector skipped: cannot run cc ({exc})", file=sys.stderr)
+        return None
+    if proc.returncode != 0:
+        print(f"C reflector skipped: cc failed: {proc.stderr.strip()[-300:]}", file=sys.stderr)
+        return None
+    return exe
 
 
 def generator(port: int, shards: int, cfg: JobConfig, seconds: float, window: int, out: mp.Queue) -> None:
@@ -118,7 +138,8 @@ def generator(port: int, shards: int, cfg: JobConfig, seconds: float, window: in
 
 
 def measure(target: str, cfg: JobConfig, seconds: float, shards: int = 1, window: int = 1024,
-            engine: str = "compiled") -> dict:
+            engine: str = "compiled", c_reflector: Path | None = None) -> dict:
+    """One target (``reflector``, ``c_reflector`` or ``aggregator``) under the generator's load."""
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     stop = ctx.Event()
@@ -130,6 +151,9 @@ def measure(target: str, cfg: JobConfig, seconds: float, shards: int = 1, window
             srv = ctx.Process(target=reflector, args=(q, stop), daemon=True)
             srv.start()
             port = q.get(timeout=10)
+        elif target == "c_reflector":
+            proc = subprocess.Popen([str(c_reflector)], stdout=subprocess.PIPE, text=True)
+            port = listening_port(proc.stdout.readline())
         else:
             spec = ",".join(f"{k}={v}" for k, v in cfg.to_dict().items())
             proc = subprocess.Popen([sys.executable, "-m", "aggregator.cli", "--port", "0", "--shards", str(shards),
@@ -296,10 +320,57 @@ def aggregator_cost(d: int, workers: tuple[int, ...] = (2, 4, 8),
     return res
 
 
+TARGETS = ("reflector", "c_reflector", "aggregator", "aggregator_numpy", "aggregator_2_shards")
+
+
+def rates(cfg: JobConfig, args: argparse.Namespace, c_ref: Path | None) -> dict:
+    """Every target's packet rate at the job's K, ``args.repeats`` interleaved runs (medians), and the
+    aggregator's ratios to both reflectors."""
+    runs: dict[str, list[dict]] = {t: [] for t in TARGETS if t != "c_reflector" or c_ref is not None}
+    for _ in range(args.repeats):  # interleaved, so that background load hits every target alike
+        runs["reflector"].append(measure("reflector", cfg, args.seconds))
+        if c_ref is not None:
+            runs["c_reflector"].append(measure("c_reflector", cfg, args.seconds, c_reflector=c_ref))
+        runs["aggregator"].append(measure("aggregator", cfg, args.seconds))
+        runs["aggregator_numpy"].append(measure("aggregator", cfg, args.seconds, engine="numpy"))
+        runs["aggregator_2_shards"].append(measure("aggregator", cfg, args.seconds, shards=2))
+    res: dict = {}
+    for name, rs in runs.items():
+        res[name] = {"packets_per_s": statistics.median(r["packets_per_s"] for r in rs),
+                     "elements_per_s": statistics.median(r["elements_per_s"] for r in rs),
+                     "stalls": sum(r["stalls"] for r in rs),
+                     "all_packets_per_s": [round(r["packets_per_s"]) for r in rs]}
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(x["packets_per_s"] / y["packets_per_s"] for x, y in zip(runs[a], runs[b], strict=True))
+
+    res["ratio"] = ratio("aggregator", "reflector")
+    res["ratios"] = [round(a["packets_per_s"] / r["packets_per_s"], 3)
+                     for a, r in zip(runs["aggregator"], runs["reflector"], strict=True)]
+    res["ratio_numpy"] = ratio("aggregator_numpy", "reflector")
+    res["ratio_c"] = ratio("aggregator", "c_reflector") if c_ref is not None else None
+    res["shards_speedup"] = ratio("aggregator_2_shards", "aggregator")
+    return res
+
+
+def report_rates(k: int, res: dict, cpus: int | None) -> None:
+    print(f"{cpus} CPUs, n = {WORKERS} emulated workers, K = {k} 4-bit indices per packet")
+    for name in TARGETS:
+        if name in res:
+            r = res[name]
+            print(f"  {name:22s} {r['packets_per_s']:12,.0f} pkt/s  {r['elements_per_s']:14,.0f} elements/s"
+                  f"  (runs {r['all_packets_per_s']}, stalls {r['stalls']})")
+    c = f"{res['ratio_c']:.2f}" if res["ratio_c"] is not None else "n/a (no C compiler)"
+    print(f"  aggregator (compiled) / Python reflector {res['ratio']:.2f} (per run {res['ratios']}); / C reflector "
+          f"{c}; numpy engine / Python reflector {res['ratio_numpy']:.2f}; 2 shards / 1 shard "
+          f"{res['shards_speedup']:.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=3.0, help="measurement time per target")
-    ap.add_argument("--elems", type=int, default=1024, help="indices per packet K")
+    ap.add_argument("--elems", type=lambda v: [int(x) for x in v.split(",")], default=[256, 1024, 8192],
+                    help="indices per packet K, comma-separated (default 256,1024,8192)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians reported)")
     ap.add_argument("--dim", type=int, default=1 << 20, help="allreduce length")
     ap.add_argument("--skip-allreduce", action="store_true", help="only the packet-rate part")
@@ -320,43 +391,19 @@ def main(argv: list[str] | None = None) -> int:
             part = f"{r['codec_ms']:.2f}" if r["codec_ms"] is not None else "-"
             print(f"  {r['codec']:10s} {r['workers']:3d} {r['cpu_ms']:13.2f} {part:>23s} {r['ratio']:8.1f}")
         return 0
-    cfg = JobConfig(job=1, workers=WORKERS, elems=args.elems, slots=256)
-    res: dict = {"cpus": os.cpu_count(), "elems": cfg.elems, "workers": WORKERS}
-    runs: dict[str, list[dict]] = {"reflector": [], "aggregator": [], "aggregator_numpy": [],
-                                   "aggregator_2_shards": []}
-    for _ in range(args.repeats):  # interleaved, so that background load hits every target alike
-        runs["reflector"].append(measure("reflector", cfg, args.seconds))
-        runs["aggregator"].append(measure("aggregator", cfg, args.seconds))
-        runs["aggregator_numpy"].append(measure("aggregator", cfg, args.seconds, engine="numpy"))
-        runs["aggregator_2_shards"].append(measure("aggregator", cfg, args.seconds, shards=2))
-    for name, rs in runs.items():
-        res[name] = {"packets_per_s": statistics.median(r["packets_per_s"] for r in rs),
-                     "elements_per_s": statistics.median(r["elements_per_s"] for r in rs),
-                     "stalls": sum(r["stalls"] for r in rs),
-                     "all_packets_per_s": [round(r["packets_per_s"]) for r in rs]}
-    ratios = [a["packets_per_s"] / r["packets_per_s"] for a, r in zip(runs["aggregator"], runs["reflector"],
-                                                                          strict=True)]
-    speedups = [b["packets_per_s"] / a["packets_per_s"] for a, b in zip(runs["aggregator"],
-                                                                          runs["aggregator_2_shards"], strict=True)]
-    res["ratio"] = statistics.median(ratios)
-    res["ratio_numpy"] = statistics.median(a["packets_per_s"] / r["packets_per_s"] for a, r in
-                                           zip(runs["aggregator_numpy"], runs["reflector"], strict=True))
-    res["shards_speedup"] = statistics.median(speedups)
-    res["ratios"] = [round(x, 3) for x in ratios]
+    res: dict = {"cpus": os.cpu_count(), "workers": WORKERS, "by_elems": {}}
+    with tempfile.TemporaryDirectory(prefix="thc-bench-") as tmp:
+        c_ref = build_c_reflector(Path(tmp))
+        for k in args.elems:
+            res["by_elems"][k] = rates(JobConfig(job=1, workers=WORKERS, elems=k, slots=256, mtu=9000), args, c_ref)
     if not args.skip_allreduce:
         res["thc_allreduce"] = thc_allreduce(args.dim)
         res["gloo_allreduce_seconds"] = gloo_allreduce(args.dim)
     if args.json:
         print(json.dumps(res))
         return 0
-    print(f"{res['cpus']} CPUs, n = {WORKERS} emulated workers, K = {cfg.elems} 4-bit indices per packet")
-    for name in ("reflector", "aggregator", "aggregator_numpy", "aggregator_2_shards"):
-        r = res[name]
-        print(f"  {name:22s} {r['packets_per_s']:12,.0f} pkt/s  {r['elements_per_s']:14,.0f} elements/s"
-              f"  (runs {r['all_packets_per_s']}, stalls {r['stalls']})")
-    print(f"  aggregator (compiled) / reflector {res['ratio']:.2f} (per run {res['ratios']}); numpy engine "
-          f"{res['ratio_numpy']:.2f}   "
-          f"2 shards / 1 shard {res['shards_speedup']:.2f}")
+    for k, r in res["by_elems"].items():
+        report_rates(k, r, res["cpus"])
     if "thc_allreduce" in res:
         t = res["thc_allreduce"]
         print(f"  allreduce of {args.dim:,} floats among 4 processes: THC via aggregator "
