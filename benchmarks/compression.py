@@ -7,7 +7,13 @@ decode = unpacking b-bit indices + table lookup (the sums of a single worker) + 
 The break-even link rate is the bandwidth at which the bits THC saves upstream, (32 - b) per
 coordinate, take as long to send as encode + decode take to compute: above it, compressing pays.
 
-    python benchmarks/compression.py [--dim 1048576] [--repeats 30] [--device cpu|cuda] [--json]
+    python benchmarks/compression.py [--dim 1048576] [--repeats 30] [--device cpu|cuda] [--threads N] [--json]
+    python benchmarks/compression.py --contention   # 1 and 2 threads, quiet and beside a busy process
+
+``--contention`` runs the measurement in a fresh process for each of 1 and 2 torch threads, alone and
+next to one CPU-bound neighbour process (a spinning Python loop), and prints the four break-even rates
+side by side: a worker shares its cores with the training loop, the aggregator or other jobs, and a
+thread count that is best on a quiet machine can collapse on a busy one.
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -74,6 +83,28 @@ def measure(config: THCConfig, dim: int, repeats: int, device: torch.device) -> 
     }
 
 
+def contention(args: argparse.Namespace) -> list[dict]:
+    """The measurement at 1 and 2 threads, quiet and beside one busy process, each in a fresh process."""
+    rows = []
+    for busy in (False, True):
+        for threads in (1, 2):
+            hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+            try:
+                time.sleep(0.2 if busy else 0)  # let the neighbour reach full speed
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--json", "--threads", str(threads),
+                       "--dim", str(args.dim), "--repeats", str(args.repeats), "--bits", str(args.bits),
+                       "--granularity", str(args.granularity), "--backend", args.backend]
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+            finally:
+                if hog is not None:
+                    hog.kill()
+                    hog.wait()
+            if proc.returncode != 0:
+                raise SystemExit(f"compression benchmark failed: {proc.stderr.strip().splitlines()[-1:]}")
+            rows.append({**json.loads(proc.stdout), "busy_neighbour": busy})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dim", type=int, default=1 << 20, help="coordinates per vector (default 2^20)")
@@ -83,8 +114,26 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "fht-cpu"],
                         help="Hadamard engine (auto: fht-cpu on CPU when installed)")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's, the core count)")
+    parser.add_argument("--contention", action="store_true",
+                        help="1 and 2 threads, alone and beside a CPU-bound neighbour, side by side")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error("--threads must be at least 1")
+        torch.set_num_threads(args.threads)
+    if args.contention:
+        rows = contention(args)
+        if args.json:
+            print(json.dumps(rows))
+            return
+        print(f"THC b={args.bits} g={args.granularity} d={args.dim} on cpu, median of {args.repeats} steps each")
+        print(f"  {'neighbour':>10} {'threads':>7} {'encode ms':>9} {'decode ms':>9} {'break-even Gbit/s':>17}")
+        for r in rows:
+            print(f"  {'busy' if r['busy_neighbour'] else 'none':>10} {r['threads']:>7} {r['encode_ms']:9.2f} "
+                  f"{r['decode_ms']:9.2f} {r['break_even_gbit_s']:17.2f}")
+        return
     config = THCConfig(bits=args.bits, granularity=args.granularity, backend=args.backend)
     res = measure(config, args.dim, args.repeats, torch.device(args.device))
     if not args.json and args.backend == "auto" and args.device == "cpu":

@@ -108,7 +108,9 @@ class Pacer:
         self.adaptive_timeout, self.congestion_control = adaptive_timeout, congestion_control
         self.max_window = max_window
         self._samples: deque[float] = deque(maxlen=SAMPLES)
-        self.rtt: float | None = None  #: round trip of a use (lower quartile of the samples), None before
+        self._recent: deque[float] = deque(maxlen=RECENT)
+        self._rtt: float | None = None
+        self._rtt_stale = False  #: samples came since ``_rtt`` was computed
         self.base_rtt = math.inf  #: the least clean round trip seen (no queue)
         self.cwnd = float(min(max_window, max(1, initial_window)))  #: congestion window (uses)
         self.ssthresh = float(max_window)
@@ -116,6 +118,18 @@ class Pacer:
         self._last_cut = -math.inf
         self._startup_backoff = 0  #: doublings of the first timeout before the first sample
         self._last_startup_bump = -math.inf
+
+    @property
+    def rtt(self) -> float | None:
+        """The round trip of a use: the lower quartile of the samples (None before the first). Computed
+        when asked, not per sample: a worker answers thousands of uses between two of its timeouts."""
+        if self._rtt_stale:
+            n = len(self._samples)
+            # statistics, not numpy: on 32 floats numpy's call costs 20x more. "inclusive" interpolates
+            # linearly between order statistics, as numpy's default quantile does.
+            self._rtt = self._samples[0] if n == 1 else statistics.quantiles(self._samples, n=4, method="inclusive")[0]
+            self._rtt_stale = False
+        return self._rtt
 
     def base_rto(self) -> float:
         """The timeout of a use sent for the first time, in seconds."""
@@ -162,11 +176,9 @@ class Pacer:
     def sample(self, rtt: float) -> None:
         """Fold in the round trip of a use answered without retransmission."""
         self._samples.append(rtt)
+        self._recent.append(rtt)
         self.base_rtt = min(self.base_rtt, rtt)
-        # statistics, not numpy: this runs per answered use, and on 32 floats numpy's call costs 20x more.
-        # "inclusive" interpolates linearly between order statistics, as numpy's default quantile does.
-        n = len(self._samples)
-        self.rtt = rtt if n == 1 else statistics.quantiles(self._samples, n=4, method="inclusive")[0]
+        self._rtt_stale = True
 
     def answered(self, now: float) -> None:
         """A use was answered at ``now``: grow the window unless a queue shows (see the module's text)."""
@@ -182,9 +194,9 @@ class Pacer:
     def queue(self) -> float | None:
         """Uses of this worker waiting in a queue on the path, estimated from the round trips (None
         before ``RECENT`` samples)."""
-        if len(self._samples) < RECENT:
+        if len(self._recent) < RECENT:
             return None
-        recent = statistics.median(list(self._samples)[-RECENT:])
+        recent = statistics.median(self._recent)
         return self.cwnd * (1.0 - self.base_rtt / recent) if recent > 0 else 0.0
 
     def expired(self, now: float, count: int = 1, burst: bool = False) -> None:

@@ -317,7 +317,7 @@ class Transport:
         slots, rounds = self._claim_uses(count)
         hdr = p.request_fields(typ, worker=cfg.worker, slot=slots, round=rounds, tensor=tensor, chunk=np.arange(count))
         pkts = build_batch(hdr, payloads)
-        rows = [[pkts[i].tobytes()] for i in range(count)]
+        rows = [[row] for row in pkts]  # row views (sendto takes any buffer): no copy per datagram
         k = 1 if is_norm else p.elems
         signed = p.kind == "uncompressed"
         # int32 holds every 8/16-bit sum and the uncompressed job's int32 sums; only THC's 32-bit results
@@ -363,7 +363,7 @@ class Transport:
         self.next_use += count
         return slots, rounds
 
-    def _exchange(self, slots: np.ndarray, rounds: np.ndarray, packets: list[list[bytes]],
+    def _exchange(self, slots: np.ndarray, rounds: np.ndarray, packets: list[list[bytes]] | list[list[np.ndarray]],
                   accept: Callable[[int, Header, int], bool | None], resend: Callable[[int], Iterable[int]], *,
                   tensor: int, policy: LossPolicy, what: str, paced: bool = True) -> np.ndarray:
         """The one retransmission engine: run uses until each is answered or lost; return which were lost.
@@ -503,7 +503,7 @@ class Transport:
             self.pcap.write(src, sock.getsockname(), bytes(self._rbuf[:nbytes]))
         return nbytes
 
-    def _send(self, data: bytes, slot: int) -> None:
+    def _send(self, data: bytes | np.ndarray, slot: int) -> None:
         cfg = self.cfg
         self.stats.packets_sent += 1
         if cfg.drop_up and self._rng.random() < cfg.drop_up:
@@ -524,7 +524,7 @@ class Transport:
         except ConnectionRefusedError:
             return  # an ICMP error from an earlier packet: the timeout retransmits
         if self.pcap is not None:
-            self.pcap.write(self.sock.getsockname(), dest, data)
+            self.pcap.write(self.sock.getsockname(), dest, bytes(data))
 
 
 def _multicast_socket(spec: str, iface: str) -> socket.socket:
