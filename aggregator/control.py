@@ -28,6 +28,7 @@ import os
 import queue
 import socket
 import stat
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -304,16 +305,21 @@ class ControlChannel:
 
 def send_command(address: ControlAddress, command: str, *, token: bytes | None = None,
                  timeout: float = 3.0) -> str:
-    """Send one command and return the reply (``thc-control``, tests). Raises TimeoutError."""
+    """Send one command and return the reply (``thc-control``, tests). Raises TimeoutError.
+
+    Over a Unix socket the reply comes to a socket in a private temporary folder, not to an abstract
+    (autobound) address: abstract addresses belong to a network namespace, and an aggregator in another
+    one (a Mininet host, ``topologies.netem``) could not answer them."""
     data = (f"{AUTH_PREFIX}{token.decode()} " if token else "") + command
-    if address.path is not None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        s.bind("")  # Linux autobind: an abstract address the aggregator can answer to
-        dest: object = address.path
-    else:
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        dest = (address.host, address.port)
-    with s:
+    with contextlib.ExitStack() as stack:
+        if address.path is not None:
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="thc-control-"))
+            s = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM))
+            s.bind(str(Path(folder) / "reply"))
+            dest: object = address.path
+        else:
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+            dest = (address.host, address.port)
         s.settimeout(timeout)
         s.sendto(data.encode(), dest)
         return s.recv(1 << 20).decode("utf-8", "replace")

@@ -10,10 +10,15 @@ passes when:
 - the counters add up: every datagram received is one outcome or one drop reason, and each job's
   completed rounds equal the uses its workers finished (each use completes exactly once).
 
-Loopback only (the relay is a thread of this process; netns variants are not part of it yet).
+``--netns MBIT`` (root) runs the same across network namespaces: ``thc-aggregator`` in its own
+namespace, the workers and the relay in another, the link between them shaped by tc tbf to MBIT Mbit/s
+with nftables dropping ``--link-loss`` % of the frames each way, under the relay's drops, duplicates
+and reorderings. The aggregator's memory is read from /proc and its counters over its control socket
+(a Unix socket in a shared folder) as on loopback.
 
     python -m benchmarks.soak --minutes 10
     python -m benchmarks.soak --minutes 0.15 --json      # the short version the test suite runs
+    sudo .venv/bin/python -m benchmarks.soak --minutes 10 --netns 1000
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 from aggregator.control import ControlAddress, send_command  # noqa: E402
 from launchers.aggregator_process import listening_port, stop_process  # noqa: E402
+from topologies.netem import require_root  # noqa: E402
+from worker_lib.cli.args import host_port  # noqa: E402
 from worker_lib.job import JobConfig  # noqa: E402
 from worker_lib.thc import lookup_sum  # noqa: E402
 from worker_lib.transport import Transport, TransportConfig  # noqa: E402
@@ -56,7 +63,8 @@ class Relay:
         self.upstream, self.rng = upstream, random.Random(seed)
         self.drop, self.dup, self.reorder = drop, dup, reorder
         self.front = [self._sock() for _ in range(workers)]  # workers send here
-        self.back = [self._sock() for _ in range(workers)]  # and the aggregator sees these
+        # and the aggregator sees these (any address: it may be across a link, not on loopback)
+        self.back = [self._sock("127.0.0.1" if upstream[0].startswith("127.") else "0.0.0.0") for _ in range(workers)]
         self.peer: list[tuple[str, int] | None] = [None] * workers
         self.held: dict[int, tuple[socket.socket, bytes, object]] = {}
         self.counts = {"forwarded": 0, "dropped": 0, "duplicated": 0, "reordered": 0}
@@ -65,10 +73,10 @@ class Relay:
         self._thread.start()
 
     @staticmethod
-    def _sock() -> socket.socket:
+    def _sock(host: str = "127.0.0.1") -> socket.socket:
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s
 
     def port(self, worker: int) -> int:
@@ -123,16 +131,20 @@ def rss_kib(pid: int) -> int:
 
 def soak(args: argparse.Namespace) -> dict:
     """Run the soak; its figures and verdicts."""
-    tmp = Path(tempfile.mkdtemp(prefix="thc-soak-"))
-    ctl = ControlAddress(path=str(tmp / "ctl.sock"))
-    agg = subprocess.Popen([sys.executable, "-m", "aggregator.cli", "--port", "0", "--control", ctl.path,
-                            "--job", f"job={THC.job},key={THC.key},workers=2,slots={THC.slots}",
-                            "--job", f"job={INT.job},key={INT.key},workers=2,kind=uncompressed,slots={INT.slots}"],
-                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    attach = getattr(args, "attach", None)
+    agg = None
+    if attach is None:
+        tmp = Path(tempfile.mkdtemp(prefix="thc-soak-"))
+        ctl = ControlAddress(path=str(tmp / "ctl.sock"))
+        agg = subprocess.Popen([sys.executable, "-m", "aggregator.cli", "--port", "0", "--control", ctl.path,
+                                *job_args()], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    else:  # an aggregator started elsewhere (--netns): its address, control socket and pid
+        ctl = ControlAddress(path=args.control)
     relays: list[Relay] = []
     try:
-        port = listening_port(agg.stdout.readline())
-        relays = [Relay(("127.0.0.1", port), 2, args.drop, args.dup, args.reorder, seed=j) for j in range(2)]
+        upstream = ("127.0.0.1", listening_port(agg.stdout.readline())) if agg is not None else attach
+        agg_pid = agg.pid if agg is not None else args.agg_pid
+        relays = [Relay(upstream, 2, args.drop, args.dup, args.reorder, seed=j) for j in range(2)]
         end = time.monotonic() + args.minutes * 60
         warm = time.monotonic() + min(5.0, args.minutes * 60 / 4)
         state = {"rss_warm": 0, "steps": 0, "exact": True, "uses": {THC.job: 0, INT.job: 0}, "errors": []}
@@ -182,10 +194,10 @@ def soak(args: argparse.Namespace) -> dict:
             t.start()
         while time.monotonic() < warm:
             time.sleep(0.05)
-        state["rss_warm"] = rss_kib(agg.pid)
+        state["rss_warm"] = rss_kib(agg_pid)
         for t in threads:
             t.join()
-        rss_end = rss_kib(agg.pid)
+        rss_end = rss_kib(agg_pid)
         stats = json.loads(send_command(ctl, "stats"))
         outcomes = sum(stats[c.label] for c in OUTCOMES if c not in DROP_COUNTERS)
         drops = sum(stats[c.label] for c in DROP_COUNTERS)
@@ -207,7 +219,38 @@ def soak(args: argparse.Namespace) -> dict:
     finally:
         for r in relays:
             r.close()
-        stop_process(agg, timeout=5)
+        if agg is not None:
+            stop_process(agg, timeout=5)
+
+
+def job_args() -> list[str]:
+    """``thc-aggregator`` options serving the soak's two jobs."""
+    return ["--job", f"job={THC.job},key={THC.key},workers=2,slots={THC.slots}",
+            "--job", f"job={INT.job},key={INT.key},workers=2,kind=uncompressed,slots={INT.slots}"]
+
+
+def soak_netns(args: argparse.Namespace) -> dict:
+    """The soak across namespaces (see the module's text): this module again, attached, in ``w0``."""
+    from topologies.netem import NetemConfig, Topology
+    from topologies.netem.ddp import start_aggregator
+
+    cfg = NetemConfig(workers=1, rate_mbit=args.netns, loss_method="nftables", prefix="thcsoak",
+                      loss_percent={"w0": args.link_loss} if args.link_loss else {})
+    with tempfile.TemporaryDirectory(prefix="thc-soak-") as tmp, Topology(cfg) as net:
+        ctl = str(Path(tmp) / "ctl.sock")
+        agg = start_aggregator(net, [THC, INT], extra=["--control", ctl])
+        cmd = [sys.executable, "-m", "benchmarks.soak", "--attach", f"{net.address('agg')}:9451", "--control", ctl,
+               "--agg-pid", str(agg.pid), "--minutes", str(args.minutes), "--dim", str(args.dim), "--drop",
+               str(args.drop), "--dup", str(args.dup), "--reorder", str(args.reorder), "--max-growth-mib",
+               str(args.max_growth_mib), "--json"]
+        proc = net.popen("w0", cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        out, err = proc.communicate(timeout=args.minutes * 60 + 180)
+        if not out.strip():
+            raise SystemExit(f"soak: the attached run failed: {err.strip()[-400:]}")
+        res = json.loads(out)
+        res["link"] = {"mbit": args.netns, "loss_percent": args.link_loss,
+                       "frames_dropped": sum(net.counters().values())}
+        return res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,17 +263,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reorder", type=float, default=0.02, help="reorder share each way (default 0.02)")
     ap.add_argument("--max-growth-mib", type=float, default=16.0,
                     help="most resident-memory growth after warm-up called flat (default 16 MiB)")
+    ap.add_argument("--netns", type=float, metavar="MBIT",
+                    help="(root) across network namespaces, the link shaped to MBIT Mbit/s (see above)")
+    ap.add_argument("--link-loss", type=int, default=1, help="with --netns: %% of frames nftables drops each way "
+                                                             "on the link (whole %%, default 1)")
+    ap.add_argument("--attach", type=host_port, metavar="HOST:PORT", help=argparse.SUPPRESS)  # --netns's inner run
+    ap.add_argument("--control", help=argparse.SUPPRESS)
+    ap.add_argument("--agg-pid", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
+    if args.attach and (args.control is None or args.agg_pid is None):
+        ap.error("--attach needs --control and --agg-pid")
+    if args.netns is not None:
+        why = require_root()
+        if why:
+            print(f"soak: --netns skipped: {why}", file=sys.stderr)
+            return 2
+        if not 0 < args.netns <= 100_000 or not 0 <= args.link_loss < 50:
+            ap.error("--netns in (0, 100000] Mbit/s, --link-loss in 0..49")
     if not 0 < args.minutes <= 24 * 60 or args.dim < 1 or not all(0 <= x < 0.5 for x in
                                                                     (args.drop, args.dup, args.reorder)):
         ap.error("--minutes in (0, 1440], --dim >= 1, and --drop, --dup, --reorder in [0, 0.5)")
-    res = soak(args)
+    res = soak_netns(args) if args.netns is not None else soak(args)
     if args.json:
         print(json.dumps(res, indent=1))
     else:
-        print(f"soak {args.minutes:g} min, loopback relay (drop {args.drop:g}, dup {args.dup:g}, reorder "
+        where = "loopback" if args.netns is None else \
+            f"netns, {args.netns:g} Mbit/s tbf link dropping {args.link_loss} % each way, then a"
+        print(f"soak {args.minutes:g} min, {where} relay (drop {args.drop:g}, dup {args.dup:g}, reorder "
               f"{args.reorder:g} each way), 2 jobs x 2 workers, {args.dim} coordinates per step")
+        if "link" in res:
+            print(f"link {res['link']}")
         print(f"steps {res['steps']}  exact {res['exact']}  uses finished {res['uses_finished']}")
         print(f"aggregator RSS {res['rss_warm_mib']:.1f} -> {res['rss_end_mib']:.1f} MiB (flat: {res['memory_flat']})")
         print(f"counters {res['aggregator']} dropped {res['dropped']}  add up: {res['counters_add_up']}")

@@ -40,9 +40,10 @@ def job_spec(job: JobConfig) -> str:
 
 
 def start_aggregator(net: Topology, jobs: Sequence[JobConfig], *, multicast: bool = False, port: int = 9451,
-                     timeout: float = 60.0) -> subprocess.Popen:
-    """``thc-aggregator`` in the ``agg`` namespace on its address; returns once it listens (polled, no sleep)."""
-    cmd = [sys.executable, "-m", "aggregator.cli", "--host", net.address("agg"), "--port", str(port)]
+                     timeout: float = 60.0, extra: Sequence[str] = ()) -> subprocess.Popen:
+    """``thc-aggregator`` in the ``agg`` namespace on its address (with the options ``extra`` too);
+    returns once it listens (polled, no sleep)."""
+    cmd = [sys.executable, "-m", "aggregator.cli", "--host", net.address("agg"), "--port", str(port), *extra]
     for job in jobs:
         cmd += ["--job", job_spec(job)]
     if multicast:
