@@ -464,6 +464,48 @@ def test_a_late_peer_at_the_norm_barrier_teaches_the_pacer_nothing() -> None:
         assert t0.pacer.rtt is not None
 
 
+def test_a_late_peer_costs_one_probe_per_timeout() -> None:
+    """Worker 1 starts its exchange 0.3 s after worker 0 (as a slower encoder does in a DDP step), once
+    worker 0 knows the round trip: worker 0 resends only its oldest use while it waits (a probe per
+    timeout), and nothing else when worker 1 arrives; the answers of the rest are on their way. Before,
+    every timeout resent all 8 open uses. Exact."""
+    cfg = JobConfig(workers=2, slots=8, elems=K)
+    resent: list[int] = []
+
+    class Recording(Transport):
+        def _send(self, data: bytes, slot: int) -> None:
+            if self.recording:
+                resent.append(slot)
+            super()._send(data, slot)
+
+    idx = random_indices(cfg, 8)
+    with serving(cfg) as srv, \
+            Recording(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv.port))) as t0, \
+            Recording(TransportConfig(cfg, worker=1, aggregator=("127.0.0.1", srv.port))) as t1:
+        t0.recording = t1.recording = False
+        th = threading.Thread(target=t1.exchange_indices, args=(idx[1],))
+        th.start()
+        t0.exchange_indices(idx[0])  # both together: worker 0 measures the round trip
+        th.join(10)
+        assert t0.pacer.rtt is not None
+        out: dict[str, UseResults] = {}
+
+        def late() -> None:
+            time.sleep(0.3)
+            out["w1"] = t1.exchange_indices(idx[1])
+
+        th = threading.Thread(target=late)
+        th.start()
+        t0.recording = True
+        res = t0.exchange_indices(idx[0])
+        th.join(10)
+    first_slot = 8 % cfg.slots  # the second exchange's first use: use 8 of the pool
+    assert resent[:8] == [*range(8)], resent[:8]  # the window's first sends
+    assert resent[8:] and set(resent[8:]) == {first_slot}, resent
+    want = oracle(cfg, idx, [0, 1])
+    assert np.array_equal(res.sums, want) and np.array_equal(out["w1"].sums, want)
+
+
 @contextlib.contextmanager
 def delaying_relay(target: int, delay: float, capacity: int | None = None) -> Iterator[int]:
     """A UDP relay on loopback that holds every worker->aggregator datagram ``delay`` seconds (a queue
@@ -525,10 +567,13 @@ def test_adaptive_timeout_stops_spurious_retransmissions() -> None:
     assert retx[True] < retx[False] / 4, retx
 
 
-def test_one_lost_use_does_not_stop_the_window() -> None:
-    """Window 4 of 16 slots, and the very first datagram is lost: while use 0 waits its 0.2 s timeout,
-    uses 1..15 go out and are answered (answered uses leave the window, as SACKed segments leave TCP's
-    pipe); use 0 is then the only one resent. A sliding window would have stopped at use 3 until it."""
+@pytest.mark.parametrize("policy", ["reliable", "zero-fill"])
+def test_one_lost_use_does_not_stop_the_window(policy: str) -> None:
+    """Window 4 of 16 slots, and the very first datagram is lost: uses 1..15 still go out and are
+    answered (answered uses leave the window, as SACKed segments leave TCP's pipe; a sliding window would
+    have stopped at use 3). Reliable: use 0, sent before answered uses, is resent as soon as those
+    answers show it lost (RACK), long before its 0.2 s timeout, hence before use 15 is sent (at most a
+    window of new uses goes out per pass). Zero-fill keeps its fixed timeout: use 0 is resent last."""
     cfg = JobConfig(workers=1, slots=16, elems=K)
     sent: list[int] = []
 
@@ -540,10 +585,16 @@ def test_one_lost_use_does_not_stop_the_window() -> None:
 
     idx = np.random.default_rng(5).integers(0, 16, 16 * K).astype(np.uint8)
     with serving(cfg) as srv, FirstLost(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv.port),
-                                                        timeout=0.2, min_timeout=0.2, window=4)) as tr:
+                                                        loss_policy=policy, timeout=0.2, min_timeout=0.2,
+                                                        window=4)) as tr:
         res = tr.exchange_indices(idx)
     assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
-    assert sent == [*range(16), 0], sent
+    assert sorted(sent) == sorted([*range(16), 0]), sent
+    resend_at = sent.index(0, 1)
+    if policy == "reliable":
+        assert resend_at < sent.index(15), sent
+    else:
+        assert resend_at == 16, sent
 
 
 def test_congestion_window_backs_off_a_full_queue() -> None:

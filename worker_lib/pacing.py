@@ -47,6 +47,30 @@ Random loss must cost little and congestion must still slow a worker down, so th
   window sends nothing new, no answer comes, and the share of a handful of expiries read 100 %: on a
   1 Gbit/s link with 10 % loss the window was cut 60 times, to 2..8 uses.)
 
+Loss seen from later answers (RACK, RFC 8985): the aggregator completes a job's uses in the order the
+workers send them, so when a use is answered on its first send, every open use sent before it is
+missing a packet (a worker's request or this worker's answer). Such a use is resent once it has been out
+for the answered use's round trip plus ``reorder_margin`` (a quarter of the least round trip, RACK's
+reordering window), not after a whole timeout; resent, it is sent after that answered use and waits
+for a later one (or its timeout) before it can be resent that way again. A loss in the middle of a
+window then costs about one round trip, not ``RTO_FACTOR`` of them; only the last uses of an exchange,
+with nothing sent after them, still wait for their timeout. The other workers see the same later
+answers and resend their own copies as early; the aggregator answers a resent request of a complete
+use from its retained result. Reordering is rare on one path, and a spurious resend costs a datagram.
+
+Probing: the timer of a use starts when the path is next heard from after its send (a datagram for any
+use of the exchange), not at the send; only the oldest open use, while nothing is heard, is timed
+from its send, and probes the path alone. Until the path speaks nothing shows
+that this use, rather than the path or a peer, is late: in a DDP step the worker that finishes
+encoding first waits for the others, and each of its timeouts resent its whole window (timed from
+the send, the first answer after the wait would also make the whole window due at once, its answers
+already on their way), as would the next oldest, timed from its send, once the oldest is answered.
+One probe per timeout is what TCP does too: it resends only its first segment when its timer expires
+(``test_a_late_peer_costs_one_probe_per_timeout``).
+Not before the first round trip is measured, though: then the first timeout is a guess, and the
+expiry of a whole first window that overflowed a queue is what cuts the window before slow start
+overflows it again and again (``test_congestion_window_backs_off_a_full_queue``).
+
 A transport under ``zero-fill`` builds its ``Pacer`` with both adaptations off: its workers must stay in
 step (a chunk one worker gave up must not complete for another), so the timeout stays ``timeout`` and
 the window ``max_window``.
@@ -161,6 +185,11 @@ class Pacer:
         if out.size:
             out[0] = self.rto(int(tries[0]))
         return out
+
+    def reorder_margin(self) -> float:
+        """How much later than an answered use sent after it an open use may still be answered before it
+        is taken as lost (RACK's reordering window): a quarter of the least clean round trip seen."""
+        return self.base_rtt / 4 if math.isfinite(self.base_rtt) else self.base_rto()
 
     def burst_run(self) -> int:
         """Consecutive first-send losses that make a burst now: ``BURST_RUN``, or half the window if more

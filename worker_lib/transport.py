@@ -389,6 +389,30 @@ class Transport:
         by_slot: dict[int, int] = {}
         base = nxt = 0
         last_answer = time.monotonic()
+        # Early retransmission (pacing.py, "Loss seen from later answers"): the latest-sent use answered
+        # on its first send, and its round trip. Reliable and paced only: zero-fill's workers must keep
+        # to one fixed timeout to stay in step.
+        early = paced and policy == "reliable" and self.pacer.adaptive_timeout
+        rack_sent, rack_use, rack_rtt = -math.inf, -1, 0.0
+        # When the first datagram for one of these uses came after use i was (re)sent: its timer starts
+        # there, not at the send, for every use but the oldest (pacing.py, "Probing").
+        heard_since = np.full(count, math.inf)
+
+        def deadlines(base: int, nxt: int, now: float) -> np.ndarray:
+            """When each use of base..nxt-1 is due to be resent: its timeout (window_rto) after the path
+            was next heard from after its send (or, the oldest, after its send if not yet), or sooner, for a use
+            sent before a use already answered, that use's round trip plus a reordering margin."""
+            at = sent_at[base:nxt]
+            start = at
+            if early and self.pacer.rtt is not None:
+                start = heard_since[base:nxt].copy()
+                if start[0] == math.inf:  # the oldest probes a silent path
+                    start[0] = at[0]
+            due_at = start + self.pacer.window_rto(tries[base:nxt], silent=now - last_answer)
+            if early and rack_use >= 0:
+                before = (at < rack_sent) | ((at == rack_sent) & (np.arange(base, nxt) < rack_use))
+                due_at = np.where(before, np.minimum(due_at, at + rack_rtt + self.pacer.reorder_margin()), due_at)
+            return due_at
 
         def room(base: int, nxt: int) -> int:
             """Uses that may start now: open uses (sent, unanswered, resent or not) stay within the
@@ -410,9 +434,8 @@ class Transport:
                     self._send(data, int(slots[nxt]))
                 sent_at[nxt] = now
                 nxt += 1
-            # Resend or give up what timed out (each resend backs that use's timeout off, see pacing.py).
-            rto = self.pacer.window_rto(tries[base:nxt], silent=now - last_answer)
-            due = base + np.flatnonzero(~done[base:nxt] & (now - sent_at[base:nxt] >= rto))
+            # Resend or give up what is due (each resend backs that use's timeout off, see pacing.py).
+            due = base + np.flatnonzero(~done[base:nxt] & (deadlines(base, nxt, now) <= now))
             if due.size and paced:
                 burst = extend_loss_runs(runs, due[tries[due] == 0], self.pacer.burst_run())
                 self.pacer.expired(now, int(due.size), burst=burst)
@@ -425,6 +448,7 @@ class Transport:
                     self.stats.retransmissions += 1
                     self._send(packets[i][k], int(slots[i]))
                 sent_at[i] = now
+                heard_since[i] = math.inf
             if now - last_answer > cfg.deadline:
                 host, port = cfg.aggregator
                 raise AggregatorUnreachable(
@@ -435,11 +459,10 @@ class Transport:
                 base += 1
             if base >= count or room(base, nxt):
                 continue
-            open_ = ~done[base:nxt]
-            deadlines = sent_at[base:nxt][open_] + self.pacer.window_rto(tries[base:nxt][open_],
-                                                                          silent=now - last_answer)
-            wait = max(0.0, float(deadlines.min()) - now) if deadlines.size else 0.0
+            due_at = deadlines(base, nxt, now)[~done[base:nxt]]
+            wait = max(0.0, float(due_at.min()) - now) if due_at.size else 0.0
             ready, _, _ = select.select(self.socks, [], [], max(wait, 0.0005))
+            heard = last_answer
             for sock in ready:
                 while True:
                     try:
@@ -475,11 +498,17 @@ class Transport:
                         if paced:
                             if tries[i] == 0:
                                 self.pacer.sample(last_answer - sent_at[i])
+                                if (sent_at[i], i) > (rack_sent, rack_use):
+                                    rack_sent, rack_use = float(sent_at[i]), i
+                                    rack_rtt = last_answer - rack_sent
                             self.pacer.answered(last_answer)
                         by_slot.pop(h.slot, None)
                         self.stats.results += 1
                         if sock is not self.sock:
                             self.stats.multicast_results += 1
+            if last_answer > heard:  # the path spoke: the timers of the uses sent before start now
+                since = heard_since[base:nxt]
+                since[(since == math.inf) & (sent_at[base:nxt] < last_answer)] = last_answer
         return lost
 
     def _finish_lost(self, i: int, slot: int, tensor: int, done: np.ndarray, lost: np.ndarray,
