@@ -227,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=128,
                    help="slots S of the aggregator's jobs: the most uses a worker runs ahead of its oldest "
                         "unanswered one (at least the packets sent during a loss's recovery)")
-    p.add_argument("--timeout", type=float, default=0.05, help="workers' least retransmission timeout, s")
+    p.add_argument("--timeout", type=float, default=0.05,
+                   help="workers' first retransmission timeout, before a round trip is measured (s)")
     p.add_argument("--loss", type=lambda s: [float(x) for x in s.split(",")], default=[0.0],
                    help="random loss in %% per direction on every worker's link, comma-separated: 0,1 runs lossless "
                         "and 1 %% interleaved and compares them (netem, or nftables: whole %%)")

@@ -480,6 +480,16 @@ def test_cli_unreachable_switch_is_one_line_no_traceback() -> None:
     assert "no P4Runtime server answers" in bad.stderr
 
 
+@pytest.mark.parametrize("module", ["aggregator.switch.cli", "topologies.star"])
+def test_switch_tools_refuse_an_unknown_log_level_in_one_line(module: str) -> None:
+    """thc-switch and the BMv2 star take a logging level by name, and refuse another in one line."""
+    bad = subprocess.run([sys.executable, "-m", module, "--log-level", "loud", "stats"], capture_output=True,
+                         text=True, timeout=60, check=False)
+    lines = [ln for ln in bad.stderr.splitlines() if not ln.startswith(("usage:", "  "))]
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and len(lines) == 1, bad.stderr
+    assert "--log-level: expected one of DEBUG" in lines[0]
+
+
 def test_generation_is_never_zero_nor_in_use() -> None:
     """A new generation skips 0 and the generations of installed jobs (so no stale state reads as current)."""
     from aggregator.switch.entries import InstalledJob, Placement, new_generation

@@ -88,6 +88,47 @@ def test_random_loss_and_multicast() -> None:
     assert mcast[0]["packets"] == 100 and 65 < mcast[1]["packets"] < 95  # w1's downlink loses 20 % too
 
 
+GSO_SENDER = """
+import socket, struct, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for run in range(20):
+    buf = b"".join(bytes([run]) * 100 for _ in range(64))
+    s.sendmsg([buf], [(socket.IPPROTO_UDP, 103, struct.pack("=H", 100))], 0, (sys.argv[1], 9003))
+    time.sleep(0.01)
+"""
+GSO_RECEIVER = """
+import collections, json, socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[1], 9003))
+s.settimeout(5.0)
+print("ready", flush=True)
+runs = collections.Counter()
+try:
+    while True:
+        runs[s.recv(65536)[0]] += 1
+        s.settimeout(1.0)
+except TimeoutError:
+    pass
+print(json.dumps([runs[r] for r in range(20)]))
+"""
+
+
+@needs_root
+def test_loss_is_per_frame_under_segmentation_offload() -> None:
+    """A lossy node's GSO runs (one UDP_SEGMENT send of 64 datagrams) lose single frames, as on a wire,
+    not whole runs: 50 % loss delivers part of most runs (a whole-run drop would deliver 0 or 64)."""
+    cfg = NetemConfig(workers=1, rate_mbit=100, loss_percent={"w0": 50}, loss_method="nftables",
+                      loss_udp_only=True, prefix="thcgs")
+    with Topology(cfg) as net:
+        agg = net.address("agg")
+        rx = net.popen("agg", [sys.executable, "-c", GSO_RECEIVER, agg], stdout=subprocess.PIPE, text=True)
+        assert rx.stdout.readline().strip() == "ready"
+        subprocess.run(net.command("w0", [sys.executable, "-c", GSO_SENDER, agg]), check=True, timeout=60)
+        per_run = json.loads(rx.communicate(timeout=60)[0])
+    assert 0.35 < sum(per_run) / (20 * 64) < 0.65, per_run
+    assert sum(0 < k < 64 for k in per_run) >= 15, per_run
+
+
 @needs_root
 def test_everything_is_removed() -> None:
     """Namespaces go away after the block, after an exception inside it, and after a failed up()."""

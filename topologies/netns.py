@@ -67,9 +67,14 @@ class Netns:
         return self
 
     def add_veth(self, name: str, peer: str, peer_ns: Netns | None = None, peer_mac: str | None = None) -> None:
-        """A veth pair ``name`` (here) <-> ``peer`` (in ``peer_ns``, default here), both up, this MTU."""
-        run_ip("link", "add", name, "mtu", str(self.mtu), "type", "veth", "peer", "name", peer,
-               "mtu", str(self.mtu), netns=self.name)
+        """A veth pair ``name`` (here) <-> ``peer`` (in ``peer_ns``, default here), both up, this MTU.
+
+        Both ends carry frames, as a wire does (``gso_max_segs 1``): a sender's segmentation-offload run
+        (a worker's UDP_SEGMENT send) is cut into its datagrams as it enters the pair. Otherwise it would
+        cross as one super-frame, and a BMv2 switch reading the port would see one packet where there
+        are 64."""
+        run_ip("link", "add", name, "mtu", str(self.mtu), "gso_max_segs", "1", "type", "veth", "peer", "name", peer,
+               "mtu", str(self.mtu), "gso_max_segs", "1", netns=self.name)
         run_ip("link", "set", name, "up", netns=self.name)
         where = self
         if peer_ns is not None:

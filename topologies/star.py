@@ -30,6 +30,7 @@ from aggregator.p4rt import SwitchError, ThcSwitch
 from topologies.bmv2 import Bmv2Config, Bmv2Switch, CompiledProgram, ToolMissing, compile_program, find_tool
 from topologies.nsstar import SERVICE_IP, SWITCH_MAC, NsStar, host_ip, host_mac
 from topologies.worker import worker_indices, worker_norm
+from worker_lib.cli.args import log_level
 from worker_lib.job import JobConfig, JobConfigError
 from worker_lib.wire.layout import THC_UDP_PORT
 
@@ -137,6 +138,8 @@ def run_mininet(run: StarRun) -> dict:  # pragma: no cover - needs Mininet and r
     try:
         net.start()
         for i, h in enumerate(net.hosts):
+            # frames on the host's link, not segmentation-offload runs (topologies.netns.Netns.add_veth)
+            h.cmd(f"ip link set dev {h.defaultIntf()} gso_max_segs 1")
             h.cmd(f"arp -s {SERVICE_IP} {SWITCH_MAC}")
             for j in range(run.workers):
                 if j != i:
@@ -171,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=d.workdir, help=f"logs, pcaps, results (default {d.workdir})")
     ap.add_argument("--program-dir", type=Path, help="use thc.json/thc.p4info.txtpb from here (no compile)")
     ap.add_argument("--netns", action="store_true", help="plain network namespaces instead of Mininet")
-    ap.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    ap.add_argument("--log-level", type=log_level, default="WARNING",
+                    help="logging level: DEBUG, INFO, WARNING, ERROR or CRITICAL (default WARNING)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if os.geteuid() != 0:
@@ -192,7 +196,12 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stderr.write("topologies.star: Mininet is not importable from this interpreter (see "
                                  "docs/bmv2.md), or use --netns\n")
                 return 1
-            summary = run_mininet(run)
+            try:
+                summary = run_mininet(run)
+            except Exception as exc:  # Mininet raises bare Exceptions (e.g. interfaces left by a killed run)
+                sys.stderr.write(f"topologies.star: Mininet: {exc} (interfaces left by an earlier run? "
+                                 "`sudo mn -c` removes them)\n")
+                return 1
     except (ToolMissing, SwitchError, JobConfigError, RuntimeError, OSError) as exc:
         sys.stderr.write(f"topologies.star: {exc}\n")
         return 1

@@ -87,6 +87,8 @@ class TransportConfig:
     window: int | None = None  #: uses in flight (default and maximum: the job's slots)
     congestion_control: bool = True  #: a congestion window below ``window`` (reliable policy only; pacing.py)
     initial_window: int = 16  #: the congestion window's first size, in uses
+    #: send a run of new uses as one UDP GSO datagram (UDP_SEGMENT) where the kernel has it
+    gso: bool = True
     drop_up: float = 0.0  #: simulated loss of sent packets (seeded, for tests and experiments)
     drop_down: float = 0.0  #: simulated loss of received packets
     seed: int = 0
@@ -131,6 +133,7 @@ class TransportStats:
     unexpected: int = 0
     multicast_results: int = 0  #: results that came through the job's multicast group
     send_blocked: int = 0  #: packets not sent because the send buffer stayed full for a timeout
+    gso_sends: int = 0  #: system calls that sent a run of datagrams with UDP segmentation offload
     lost: list[tuple[int, int]] = field(default_factory=list)  #: (tensor, chunk) given up
 
     def as_dict(self) -> dict[str, int]:
@@ -179,6 +182,9 @@ class Transport:
         self._rbuf = bytearray(65536)
         self._dests = [(cfg.aggregator[0], cfg.aggregator[1] + i) for i in range(cfg.shards)]
         self.pcap = PcapWriter(cfg.pcap) if cfg.pcap is not None else None
+        # Segmentation offload sends whole runs; the per-datagram paths (simulated loss, pcap, several
+        # shards' destinations) keep one datagram per call.
+        self.gso = cfg.gso and gso_available(self.sock) and not (cfg.drop_up or cfg.pcap or cfg.shards > 1)
         # zero-fill keeps a fixed timeout and window: its workers must stay in step (see pacing.py)
         adapt = cfg.loss_policy == "reliable"
         self.pacer = Pacer(timeout=cfg.timeout, min_timeout=min(cfg.min_timeout, cfg.timeout),
@@ -347,7 +353,7 @@ class Transport:
 
         lost = self._exchange(slots, rounds, rows, accept, lambda _i: (0,), tensor=tensor,
                               policy=policy or cfg.loss_policy, what=f"job {p.job}, this key and table",
-                              paced=not is_norm)
+                              paced=not is_norm, block=pkts)
         return UseResults(sums, contrib, bitmap, lost)
 
     # -- the engine --------------------------------------------------------------------------------
@@ -365,7 +371,8 @@ class Transport:
 
     def _exchange(self, slots: np.ndarray, rounds: np.ndarray, packets: list[list[bytes]] | list[list[np.ndarray]],
                   accept: Callable[[int, Header, int], bool | None], resend: Callable[[int], Iterable[int]], *,
-                  tensor: int, policy: LossPolicy, what: str, paced: bool = True) -> np.ndarray:
+                  tensor: int, policy: LossPolicy, what: str, paced: bool = True,
+                  block: np.ndarray | None = None) -> np.ndarray:
         """The one retransmission engine: run uses until each is answered or lost; return which were lost.
 
         Use i (slot ``slots[i]``, round ``rounds[i]``) sends the datagrams ``packets[i]``; at most the
@@ -377,7 +384,8 @@ class Transport:
         ``deadline`` seconds raises AggregatorUnreachable (``what`` names the job in the message).
         ``paced`` False (the norm stage): the uses' timing teaches the pacer nothing, neither round trips
         nor expiries nor answers: a barrier's answer waits for the last worker to reach it (process start,
-        compute skew), not for the path.
+        compute skew), not for the path. ``block``: the uses' datagrams as the rows of one array (one
+        datagram per use, ``packets[i] == [block[i]]``), which lets first sends go out as GSO runs.
         """
         cfg, p = self.cfg, self.cfg.params
         count = len(slots)
@@ -428,12 +436,17 @@ class Transport:
                 if base == count:
                     return lost
             now = time.monotonic()
-            for _ in range(room(base, nxt)):
-                by_slot[int(slots[nxt])] = nxt
-                for data in packets[nxt]:
-                    self._send(data, int(slots[nxt]))
-                sent_at[nxt] = now
-                nxt += 1
+            n = room(base, nxt)
+            for i in range(nxt, nxt + n):
+                by_slot[int(slots[i])] = i
+            if n and block is not None and self.gso:
+                self._send_run(block[nxt:nxt + n])
+            else:
+                for i in range(nxt, nxt + n):
+                    for data in packets[i]:
+                        self._send(data, int(slots[i]))
+            sent_at[nxt:nxt + n] = now
+            nxt += n
             # Resend or give up what is due (each resend backs that use's timeout off, see pacing.py).
             due = base + np.flatnonzero(~done[base:nxt] & (deadlines(base, nxt, now) <= now))
             if due.size and paced:
@@ -532,6 +545,39 @@ class Transport:
             self.pcap.write(src, sock.getsockname(), bytes(self._rbuf[:nbytes]))
         return nbytes
 
+    def _send_run(self, rows: np.ndarray) -> None:
+        """Send equal-length datagrams (the rows of a C-contiguous array) to the only shard, up to
+        ``GSO_SEGMENTS`` per system call with UDP_SEGMENT: the kernel cuts the run into the datagrams,
+        one pass through the socket layer for all of them. A kernel or path that refuses it (an error
+        other than a full buffer) turns segmentation off for this transport, with one log line, and
+        the run goes out datagram by datagram."""
+        length = rows.shape[1]
+        per = max(1, min(GSO_SEGMENTS, GSO_BYTES // length))
+        dest = self._dests[0]
+        cmsg = [(SOL_UDP, UDP_SEGMENT, struct.pack("=H", length))]
+        for start in range(0, rows.shape[0], per):
+            run = rows[start:start + per]
+            if run.shape[0] == 1:
+                self._send(run[0], 0)
+                continue
+            try:
+                try:
+                    self.sock.sendmsg([run], cmsg, 0, dest)
+                except BlockingIOError:  # the send buffer is full: wait for it, as _send does
+                    select.select([], [self.sock], [], self.cfg.timeout)
+                    self.sock.sendmsg([run], cmsg, 0, dest)
+            except (BlockingIOError, ConnectionRefusedError):
+                self.stats.send_blocked += run.shape[0]  # the timeouts resend it
+            except OSError as exc:
+                log.warning("worker %d: UDP segmentation offload refused (%s); sending datagram by datagram",
+                            self.cfg.worker, exc)
+                self.gso = False
+                for row in rows[start:]:
+                    self._send(row, 0)
+                return
+            self.stats.packets_sent += run.shape[0]
+            self.stats.gso_sends += 1
+
     def _send(self, data: bytes | np.ndarray, slot: int) -> None:
         cfg = self.cfg
         self.stats.packets_sent += 1
@@ -554,6 +600,21 @@ class Transport:
             return  # an ICMP error from an earlier packet: the timeout retransmits
         if self.pcap is not None:
             self.pcap.write(self.sock.getsockname(), dest, bytes(data))
+
+
+#: Linux's UDP segmentation offload (udp(7), since 4.18): the socket option and cmsg type, and its limits
+#: per call (UDP_MAX_SEGMENTS, and a datagram's 64 KiB).
+SOL_UDP, UDP_SEGMENT = socket.IPPROTO_UDP, 103
+GSO_SEGMENTS, GSO_BYTES = 64, 65507
+
+
+def gso_available(sock: socket.socket) -> bool:
+    """Whether the kernel knows UDP_SEGMENT (reading the option does not set it)."""
+    try:
+        sock.getsockopt(SOL_UDP, UDP_SEGMENT)
+    except OSError:
+        return False
+    return True
 
 
 def _multicast_socket(spec: str, iface: str) -> socket.socket:

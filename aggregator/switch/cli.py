@@ -39,6 +39,7 @@ from aggregator.bfrt import (
 )
 from aggregator.switch.entries import ProgramGeometry
 from aggregator.switch.errors import SwitchError
+from worker_lib.cli.args import log_level
 from worker_lib.job import JobConfigError, load_jobs, parse_job_spec
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="poll the switch's gRPC port up to SECONDS before connecting (default: do not wait)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per P4Runtime call (default 10)")
-    p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    p.add_argument("--log-level", type=log_level, default="WARNING",
+                    help="logging level: DEBUG, INFO, WARNING, ERROR or CRITICAL (default WARNING)")
     sub = p.add_subparsers(dest="command", required=True)
 
     ld = sub.add_parser("load", help="push the program (P4Info + BMv2 JSON), then services and routes; "

@@ -171,6 +171,10 @@ class Topology:
             _run([*n, "link", "set", "eth0", "up"])
             _run([*n, "route", "add", "224.0.0.0/4", "dev", "eth0"])
             loss = cfg.loss_percent.get(node, 0.0)
+            if loss:
+                # Loss is per frame, as on a wire: a GSO run (a worker's UDP_SEGMENT send, a TCP segment
+                # train) is cut into frames as it leaves the node, as a NIC would, not dropped whole.
+                _run([*n, "link", "set", "dev", "eth0", "gso_max_segs", "1"])
             self._shape(ns, "eth0", loss)
             self._shape(self.bridge_ns, port, loss)
         if self.loss_method == "nftables":
