@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_DAR_DATA = int(PacketType.DAR_DATA)  # a plain int: an enum member's look-up costs a microsecond per batch
+
 
 def bind_shards(host: str, port: int, shards: int, attempts: int = 50) -> list[socket.socket]:
     """Bind ``shards`` consecutive UDP ports from ``port`` (port 0: any free consecutive range)."""
@@ -73,6 +75,19 @@ class WorkerAddresses:
         if cfg.multicast:
             host, _, port = cfg.multicast.rpartition(":")
             self.group = np.frombuffer(sockaddr_in(host, int(port)), np.uint8)[None, :]
+        self._known_addr: np.ndarray | None = None
+
+    def known_addresses(self) -> np.ndarray:
+        """The learned addresses, (known workers, 16): kept until the next ``learn`` changes one."""
+        if self._known_addr is None:
+            self._known_addr = self.addr[self.known]
+        return self._known_addr
+
+    def learn(self, worker: int, address: np.ndarray) -> None:
+        """Worker ``worker`` is at ``address`` (a sockaddr_in row)."""
+        self.addr[worker] = address
+        self.known[worker] = True
+        self._known_addr = None
 
 
 class Shard:
@@ -151,7 +166,7 @@ class Shard:
         if self.pcap is not None:
             for i in range(n):
                 self.pcap.write(sockaddr_to_tuple(io.rx_addr[i]), self.local, io.rx[i, : io.rx_len[i]].tobytes())
-        is_dar = (io.rx[:n, 1] == PacketType.DAR_DATA) & (io.rx_len[:n] >= 2)
+        is_dar = (io.rx[:n, 1] == _DAR_DATA) & (io.rx_len[:n] >= 2)
         if not is_dar.any():
             out = self.agg.process(io.rx[:n], io.rx_len[:n])
             good = self.agg.last_good
@@ -182,6 +197,13 @@ class Shard:
         known when its packet arrived, as one by one."""
         if rows.size == 0:
             return
+        if rows.size == 1:  # the common batch on a lightly loaded link: scalars, no set operations
+            tab = self.addrs.get(int(jobs[0]))
+            r, w = int(rows[0]), int(workers[0])
+            if tab is not None and not (tab.known[w] and np.array_equal(tab.addr[w], self.io.rx_addr[r])):
+                self._moves[int(jobs[0])] = (tab.addr.copy(), tab.known.copy(), rows, workers)
+                tab.learn(w, self.io.rx_addr[r])
+            return
         for j in np.unique(jobs).tolist():
             sel = jobs == j
             tab = self.addrs.get(j)
@@ -192,8 +214,7 @@ class Shard:
             if (~tab.known[w]).any() or (tab.addr[w] != a).any():
                 self._moves[j] = (tab.addr.copy(), tab.known.copy(), r, w)
                 for row, wk in zip(r.tolist(), w.tolist(), strict=True):  # in order: the last one stays
-                    tab.addr[wk] = self.io.rx_addr[row]
-                    tab.known[wk] = True
+                    tab.learn(wk, self.io.rx_addr[row])
 
     def _destinations(self, job: int, row: int) -> np.ndarray | None:
         """Addresses a completion of ``job`` caused by rx row ``row`` goes to: its multicast group, or
@@ -205,7 +226,7 @@ class Shard:
             return tab.group
         moves = self._moves.get(job)
         if moves is None:
-            dests = tab.addr[tab.known]
+            dests = tab.known_addresses()
         else:
             addr, known, rows, workers = moves
             addr, known = addr.copy(), known.copy()
@@ -231,14 +252,19 @@ class Shard:
                 rows, lengths = snd.rows, snd.lengths
                 addrs = np.repeat(self.io.rx_addr[rx_rows[snd.src]][None, :], snd.rows.size, axis=0)
             self.io.send(snd.buf, rows, lengths, addrs)
-            if self.pcap is not None:
-                for r, a, ln in zip(rows.tolist(), addrs, lengths.tolist(), strict=True):
-                    self.pcap.write(self.local, sockaddr_to_tuple(a), snd.buf[r, :ln].tobytes())
+            self._pcap_sent(snd.buf, rows, addrs, lengths)
 
     def _send(self, out: Outputs, rx_rows: np.ndarray) -> None:
         """Send the engine's outputs: completions to the job's destinations, answers to their senders;
         ``rx_rows[i]`` is the rx row of the engine's input row i."""
         m = out.count
+        if m == 1 and out.fanout[0]:  # one completion: its destinations straight to the socket
+            dests = self._destinations(int(out.job[0]), int(rx_rows[out.src[0]]))
+            if dests is not None:
+                rows = np.zeros(len(dests), np.int64)
+                self.io.send(out.buf, rows, out.length[rows], dests)
+                self._pcap_sent(out.buf, rows, dests, out.length[rows])
+            return
         fan = out.fanout[:m]
         rows_l: list[np.ndarray] = []
         addr_l: list[np.ndarray] = []
@@ -266,9 +292,13 @@ class Shard:
         addrs = np.concatenate(addr_l)
         lengths = out.length[rows]
         self.io.send(out.buf, rows, lengths, addrs)
+        self._pcap_sent(out.buf, rows, addrs, lengths)
+
+    def _pcap_sent(self, buf: np.ndarray, rows: np.ndarray, addrs: np.ndarray, lengths: np.ndarray) -> None:
+        """Write what was just sent to the pcap, if any."""
         if self.pcap is not None:
             for r, a, ln in zip(rows.tolist(), addrs, lengths.tolist(), strict=True):
-                self.pcap.write(self.local, sockaddr_to_tuple(a), out.buf[r, :ln].tobytes())
+                self.pcap.write(self.local, sockaddr_to_tuple(a), buf[r, :ln].tobytes())
 
     def close(self) -> None:
         if self.pcap is not None:
