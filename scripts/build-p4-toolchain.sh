@@ -9,8 +9,10 @@
 #   PI_SRC=~/src/PI BMV2_SRC=~/src/behavioral-model P4C_SRC=~/src/p4c P4RUNTIME_SRC=~/src/p4runtime \
 #       sudo -E bash scripts/build-p4-toolchain.sh         # use checked-out sources (with submodules)
 #
-# Each *_SRC, when given, must be a checkout of the version below with its git submodules. The
-# Tofino back end (bf-p4c) and P4Testgen need p4c HEAD with Abseil, protobuf 25 and z3: not built here.
+# Each *_SRC, when given, must be a checkout of the version below with its git submodules. A stage whose
+# tool is already installed is skipped (FORCE=1 rebuilds everything); a stage that fails prints the end of
+# its log (under $WORK/logs) and stops. The Tofino back end (bf-p4c) and P4Testgen need p4c HEAD with
+# Abseil, protobuf 25 and z3: not built here.
 set -euo pipefail
 
 # ---- versions, pinned in one place ---------------------------------------------------------------
@@ -25,18 +27,53 @@ JOBS=${JOBS:-$(nproc)}
 WORK=${WORK:-/opt/p4build}
 mkdir -p "$WORK/src" "$WORK/logs"
 
+FORCE=${FORCE:-0}
+
 log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
+# stage NAME LOG COMMAND...: run COMMAND with its output in $WORK/logs/LOG; on failure say which stage
+# failed, show the end of its log, and stop.
+stage() {
+    local name=$1 logfile="$WORK/logs/$2"
+    shift 2
+    if ! "$@" > "$logfile" 2>&1; then
+        echo "build-p4-toolchain: $name failed; the end of $logfile:" >&2
+        tail -n 25 "$logfile" >&2
+        exit 1
+    fi
+}
+
+# have TOOL: the tool is installed under $PREFIX and no rebuild was asked for.
+have() { [ "$FORCE" != 1 ] && [ -x "$PREFIX/bin/$1" ]; }
+
+# Debian/Ubuntu packages the build and the tools need: compilers and generators, the libraries PI, BMv2
+# and p4c link, python3-thrift for the BMv2 CLIs (their `#!/usr/bin/env python3`), and iputils-ping for
+# Mininet's pingAll in topologies.star.
+PACKAGES=(
+    build-essential cmake git pkg-config autoconf automake libtool bison flex libfl-dev
+    libboost-dev libboost-iostreams-dev libboost-graph-dev libboost-program-options-dev
+    libboost-system-dev libboost-filesystem-dev libboost-thread-dev libgc-dev libgmp-dev
+    libprotobuf-dev protobuf-compiler libgrpc++-dev libgrpc-dev protobuf-compiler-grpc
+    libpcap-dev libnanomsg-dev libthrift-dev thrift-compiler libjudy-dev libreadline-dev libssl-dev
+    libxxhash-dev libjsoncpp-dev python3 python3-six python3-thrift iputils-ping
+)
+
 install_packages() {
+    if ! command -v apt-get > /dev/null; then
+        echo "build-p4-toolchain: no apt-get here; install the equivalents of: ${PACKAGES[*]}" >&2
+        exit 1
+    fi
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    apt-get install -y -qq --no-install-recommends \
-        build-essential cmake git pkg-config autoconf automake libtool bison flex libfl-dev \
-        libboost-dev libboost-iostreams-dev libboost-graph-dev libboost-program-options-dev \
-        libboost-system-dev libboost-filesystem-dev libboost-thread-dev libgc-dev libgmp-dev \
-        libprotobuf-dev protobuf-compiler libgrpc++-dev libgrpc-dev protobuf-compiler-grpc \
-        libpcap-dev libnanomsg-dev libthrift-dev thrift-compiler libjudy-dev libreadline-dev libssl-dev libxxhash-dev libjsoncpp-dev \
-        python3 python3-six
+    local missing=()
+    for pkg in "${PACKAGES[@]}"; do
+        apt-cache show "$pkg" > /dev/null 2>&1 || missing+=("$pkg")
+    done
+    if [ "${#missing[@]}" -gt 0 ]; then
+        echo "build-p4-toolchain: no package named ${missing[*]} in this distribution's registries" >&2
+        return 1
+    fi
+    apt-get install -y -qq --no-install-recommends "${PACKAGES[@]}"
 }
 
 # source_dir NAME GIVEN URL REF: print GIVEN if set, else $WORK/src/NAME, cloned from URL at REF if absent.
@@ -56,29 +93,42 @@ source_dir() {
 
 build_pi() {
     local src=$1
+    if [ "$FORCE" != 1 ] && [ -e "$PREFIX/lib/libpiprotogrpc.so" ]; then
+        log "PI: installed, skipped"
+        return
+    fi
     log "PI $PI_TAG in $src"
-    (cd "$src" && ./autogen.sh && ./configure --prefix="$PREFIX" --with-proto --without-internal-rpc \
-        --without-cli --without-bmv2 && make -j"$JOBS" && make install) > "$WORK/logs/pi.log" 2>&1
+    stage PI pi.log bash -c "cd '$src' && ./autogen.sh && ./configure --prefix='$PREFIX' --with-proto \
+        --without-internal-rpc --without-cli --without-bmv2 && make -j$JOBS && make install"
     ldconfig
 }
 
 build_bmv2() {
     local src=$1
+    if have simple_switch_grpc; then
+        log "BMv2: simple_switch_grpc installed, skipped"
+        return
+    fi
     log "BMv2 $BMV2_TAG in $src"
-    (cd "$src" && ./autogen.sh && ./configure --prefix="$PREFIX" --with-pi --with-thrift \
-        --disable-logging-macros --disable-elogger && make -j"$JOBS" && make install) > "$WORK/logs/bmv2.log" 2>&1
-    ldconfig  # with --with-pi, BMv2 configures, builds and installs targets/simple_switch_grpc too
+    # with --with-pi, BMv2 configures, builds and installs targets/simple_switch_grpc too
+    stage BMv2 bmv2.log bash -c "cd '$src' && ./autogen.sh && ./configure --prefix='$PREFIX' --with-pi \
+        --with-thrift --disable-logging-macros --disable-elogger && make -j$JOBS && make install"
+    ldconfig
 }
 
 build_p4c() {
     local src=$1 p4runtime=$2
+    if have p4c-bm2-ss && have p4test; then
+        log "p4c: p4c-bm2-ss and p4test installed, skipped"
+        return
+    fi
     log "p4c $P4C_TAG in $src"
     mkdir -p "$src/build"
-    (cd "$src/build" && cmake .. -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$PREFIX" \
-        -DENABLE_GTESTS=OFF -DENABLE_EBPF=OFF -DENABLE_UBPF=OFF -DENABLE_DPDK=OFF -DENABLE_P4TC=OFF \
-        -DENABLE_P4C_GRAPHS=OFF -DENABLE_DOCS=OFF -DP4C_USE_PREINSTALLED_PROTOBUF=ON \
-        -DENABLE_PROTOBUF_STATIC=OFF -DFETCHCONTENT_SOURCE_DIR_P4RUNTIME="$p4runtime" \
-        && make -j"$JOBS" && make install) > "$WORK/logs/p4c.log" 2>&1
+    stage p4c p4c.log bash -c "cd '$src/build' && cmake .. -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_INSTALL_PREFIX='$PREFIX' -DENABLE_GTESTS=OFF -DENABLE_EBPF=OFF -DENABLE_UBPF=OFF \
+        -DENABLE_DPDK=OFF -DENABLE_P4TC=OFF -DENABLE_P4C_GRAPHS=OFF -DENABLE_DOCS=OFF \
+        -DP4C_USE_PREINSTALLED_PROTOBUF=ON -DENABLE_PROTOBUF_STATIC=OFF \
+        -DFETCHCONTENT_SOURCE_DIR_P4RUNTIME='$p4runtime' && make -j$JOBS && make install"
 }
 
 install_tna_includes() {
@@ -92,7 +142,7 @@ install_tna_includes() {
 
 main() {
     log "packages"
-    install_packages > "$WORK/logs/apt.log" 2>&1
+    stage "installing the distribution's packages" apt.log install_packages
     local pi bmv2 p4c p4runtime
     pi=$(source_dir PI "${PI_SRC:-}" https://github.com/p4lang/PI.git "$PI_TAG")
     bmv2=$(source_dir behavioral-model "${BMV2_SRC:-}" https://github.com/p4lang/behavioral-model.git "$BMV2_TAG")
