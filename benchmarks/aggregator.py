@@ -43,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from aggregator.engine import DEFAULT_STRIDE
 from aggregator.io import BatchSocket, sockaddr_in, udp_socket
 from launchers.aggregator_process import listening_port
-from worker_lib.job import JobConfig
+from worker_lib.cli.args import float_in, int_in
+from worker_lib.job import JobConfig, JobConfigError
 from worker_lib.wire import PacketType, build_batch, fragment_count, pack_bits
 
 WORKERS = 4
@@ -366,18 +367,46 @@ def report_rates(k: int, res: dict, cpus: int | None) -> None:
           f"{res['shards_speedup']:.2f}")
 
 
+def rate_job(k: int) -> JobConfig:
+    """The job of the packet-rate part at K = ``k`` (n = 4, 256 slots, 9000-byte MTU)."""
+    return JobConfig(job=1, workers=WORKERS, elems=k, slots=256, mtu=9000)
+
+
+def elems_list(text: str) -> list[int]:
+    """An argparse type: distinct K values, comma-separated, each one a valid ``rate_job``."""
+    out = []
+    for part in text.split(","):
+        try:
+            k = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected integers like 256,1024,8192, got {text!r}") from None
+        try:
+            rate_job(k)
+        except JobConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("job 1: ")) from None
+        if k in out:
+            raise argparse.ArgumentTypeError(f"K = {k} given twice")
+        out.append(k)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=3.0, help="measurement time per target")
-    ap.add_argument("--elems", type=lambda v: [int(x) for x in v.split(",")], default=[256, 1024, 8192],
-                    help="indices per packet K, comma-separated (default 256,1024,8192)")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians reported)")
-    ap.add_argument("--dim", type=int, default=1 << 20, help="allreduce length")
+    ap.add_argument("--seconds", type=float_in(0.1, 3600), default=3.0,
+                    help="measurement time per target, 0.1..3600 (default 3)")
+    ap.add_argument("--elems", type=elems_list, default=[256, 1024, 8192],
+                    help="indices per packet K, comma-separated, each a multiple of 8 in 8..8936 (its results "
+                         "fit a 9000-byte MTU; default 256,1024,8192)")
+    ap.add_argument("--repeats", type=int_in(1, 1000), default=3,
+                    help="interleaved repetitions, 1..1000 (medians reported; default 3)")
+    ap.add_argument("--dim", type=int_in(1, 1 << 28), default=1 << 20, help="allreduce length, 1..2^28 (default 2^20)")
     ap.add_argument("--skip-allreduce", action="store_true", help="only the packet-rate part")
     ap.add_argument("--cost", action="store_true",
                     help="only the aggregator CPU time per round: THC vs the DAR codecs at n = 2, 4, 8")
-    ap.add_argument("--cost-dim", type=int, default=1 << 18, help="d of the --cost rounds (default 2^18)")
-    ap.add_argument("--cost-rounds", type=int, default=3, help="rounds per point of --cost (medians)")
+    ap.add_argument("--cost-dim", type=int_in(1, 1 << 23), default=1 << 18,
+                    help="d of the --cost rounds, 1..2^23 (default 2^18)")
+    ap.add_argument("--cost-rounds", type=int_in(1, 1000), default=3,
+                    help="rounds per point of --cost, 1..1000 (medians; default 3)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.cost:
@@ -395,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="thc-bench-") as tmp:
         c_ref = build_c_reflector(Path(tmp))
         for k in args.elems:
-            res["by_elems"][k] = rates(JobConfig(job=1, workers=WORKERS, elems=k, slots=256, mtu=9000), args, c_ref)
+            res["by_elems"][k] = rates(rate_job(k), args, c_ref)
     if not args.skip_allreduce:
         res["thc_allreduce"] = thc_allreduce(args.dim)
         res["gloo_allreduce_seconds"] = gloo_allreduce(args.dim)

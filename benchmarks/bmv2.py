@@ -41,9 +41,11 @@ from scapy.layers.l2 import Ether
 from scapy.packet import Raw
 
 from aggregator.p4rt import ThcSwitch
+from p4gen.bmv2 import Geometry
 from topologies.bmv2 import Bmv2Config, Bmv2Switch, compile_program
 from topologies.netns import PACKET_OUTGOING
 from topologies.nsstar import SERVICE_IP, SWITCH_MAC, NsStar
+from worker_lib.cli.args import int_in
 from worker_lib.job import JobConfig
 from worker_lib.wire import Header, PacketType, pack_bits
 from worker_lib.wire.layout import THC_UDP_PORT
@@ -70,11 +72,22 @@ def _drain_count(socks: dict, want: int, timeout: float, match) -> int:
     return got
 
 
+def job_config(workers: int, elems: int, bits: int, slots: int) -> JobConfig:
+    """The benchmark's job (g = min(30, 255 // n), so that n 8-bit sums cannot overflow; p = 1/32)."""
+    return JobConfig(job=1, key=0x54484321, workers=workers, bits=bits, granularity=min(30, 255 // workers),
+                     p=1 / 32, elems=elems, result_bits=8, slots=slots)
+
+
+def geometry(elems: int, bits: int, slots: int) -> Geometry:
+    """The program's geometry for the job (at least 64 slots)."""
+    return Geometry(elems=elems, bits=bits, result_bits=8, slots=max(64, slots))
+
+
 def run(workers: int, chunks: int, elems: int, bits: int, slots: int, workdir: Path) -> dict:
     """Both phases on one switch; the measurements as a dict."""
-    prog = compile_program(workdir / "program", elems=elems, bits=bits, result_bits=8, slots=max(64, slots))
-    cfg = JobConfig(job=1, key=0x54484321, workers=workers, bits=bits, granularity=min(30, 255 // workers),
-                    p=1 / 32, elems=elems, result_bits=8, slots=slots)
+    g = geometry(elems, bits, slots)
+    prog = compile_program(workdir / "program", elems=g.elems, bits=g.bits, result_bits=g.result_bits, slots=g.slots)
+    cfg = job_config(workers, elems, bits, slots)
     rng = np.random.default_rng(0)
     with NsStar(workers, prefix=f"thcbn{os.getpid() % 10000}") as star:
         sw = Bmv2Switch(Bmv2Config(star.interfaces, workdir / "switch", netns=star.switch_ns, pcap=False,
@@ -153,17 +166,35 @@ def _phase(socks: dict, frames: list[tuple[int, bytes]], window: int, match) -> 
     return {"sent": sent, "received": received, "seconds": time.perf_counter() - t0}
 
 
+def work_dir(text: str) -> Path:
+    """An argparse type: a folder to work in (made if missing; not a file, not empty)."""
+    path = Path(text)
+    if not text or (path.exists() and not path.is_dir()):
+        raise argparse.ArgumentTypeError(f"expected a folder, got {text!r}")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: run both phases and print one JSON object."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--workers", type=int, default=4, help="worker hosts n (default 4)")
-    ap.add_argument("--chunks", type=int, default=1000, help="chunks per worker (default 1000)")
-    ap.add_argument("--elems", type=int, default=32, help="K (default 32)")
-    ap.add_argument("--bits", type=int, default=4, help="b (default 4)")
-    ap.add_argument("--slots", type=int, default=16, help="slots S = chunks per window (default 16)")
-    ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "thc-bmv2-bench")
+    ap.add_argument("--workers", type=int_in(1, 32), default=4, help="worker hosts n, 1..32 (default 4)")
+    ap.add_argument("--chunks", type=int_in(1, 100_000), default=1000,
+                    help="chunks per worker, 1..100000 (default 1000)")
+    ap.add_argument("--elems", type=int_in(8, 65528), default=32,
+                    help="K, a multiple of 8 whose results fit a 1500-byte MTU (default 32)")
+    ap.add_argument("--bits", type=int_in(1, 8), default=4,
+                    help="b, 1..8 with 2^b - 1 <= min(30, 255 // n), the granularity (default 4)")
+    ap.add_argument("--slots", type=int_in(1, 65536), default=16, help="slots S = chunks per window, 1..65536 "
+                                                                       "(default 16)")
+    ap.add_argument("--workdir", type=work_dir, default=Path(tempfile.gettempdir()) / "thc-bmv2-bench",
+                    help="folder for the compiled program and the switch's files (default: %(default)s)")
     args = ap.parse_args(argv)
+    try:
+        job_config(args.workers, args.elems, args.bits, args.slots)
+        geometry(args.elems, args.bits, args.slots)
+    except ValueError as exc:  # JobConfigError included
+        ap.error(f"--workers {args.workers} --elems {args.elems} --bits {args.bits} --slots {args.slots}: {exc}")
     logging.basicConfig(level=logging.WARNING)
     if os.geteuid() != 0:
         sys.stderr.write("benchmarks.bmv2: needs root (network namespaces)\n")

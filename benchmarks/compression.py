@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from worker_lib.cli.args import int_in
 from worker_lib.thc import THCCodec, THCConfig
 from worker_lib.thc.hadamard import have_fht_cpu
 from worker_lib.thc.quantize import unpack_indices
@@ -105,23 +106,50 @@ def contention(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def device_of(parser: argparse.ArgumentParser, text: str) -> torch.device:
+    """``--device`` as a torch device this machine has (cpu, or cuda[:N] with CUDA); else the parser's error."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        parser.error(f"--device: expected cpu or cuda[:N], got {text!r}")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device: expected cpu or cuda[:N], got {text!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error(f"--device {text}: this torch has no usable CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            parser.error(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return device
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dim", type=int, default=1 << 20, help="coordinates per vector (default 2^20)")
-    parser.add_argument("--repeats", type=int, default=30, help="measured steps (median reported)")
-    parser.add_argument("--bits", type=int, default=4)
-    parser.add_argument("--granularity", type=int, default=30)
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--dim", type=int_in(1, 1 << 28), default=1 << 20,
+                        help="coordinates per vector, 1..2^28 (default 2^20)")
+    parser.add_argument("--repeats", type=int_in(1, 1000), default=30,
+                        help="measured steps, 1..1000 (median reported; default 30)")
+    parser.add_argument("--bits", type=int_in(1, 8), default=4, help="index width b, 1..8 (default 4)")
+    parser.add_argument("--granularity", type=int_in(1, 4096), default=30,
+                        help="table granularity g, 2^b - 1..4096 (default 30)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "fht-cpu"],
                         help="Hadamard engine (auto: fht-cpu on CPU when installed)")
-    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's, the core count)")
+    parser.add_argument("--threads", type=int_in(1, 1024),
+                        help="torch intra-op threads, 1..1024 (default: torch's, the core count)")
     parser.add_argument("--contention", action="store_true",
-                        help="1 and 2 threads, alone and beside a CPU-bound neighbour, side by side")
+                        help="1 and 2 threads, alone and beside a CPU-bound neighbour, side by side (on the CPU)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    device = device_of(parser, args.device)
+    if args.contention and device.type != "cpu":
+        parser.error("--contention measures on the CPU: leave out --device")
+    if args.backend == "fht-cpu" and (device.type != "cpu" or not have_fht_cpu()):
+        parser.error("--backend fht-cpu needs the fht-cpu package and --device cpu")
+    try:
+        config = THCConfig(bits=args.bits, granularity=args.granularity, backend=args.backend)
+    except ValueError as exc:
+        parser.error(f"--bits {args.bits} --granularity {args.granularity}: {exc}")
     if args.threads is not None:
-        if args.threads < 1:
-            parser.error("--threads must be at least 1")
         torch.set_num_threads(args.threads)
     if args.contention:
         rows = contention(args)
@@ -134,9 +162,8 @@ def main() -> None:
             print(f"  {'busy' if r['busy_neighbour'] else 'none':>10} {r['threads']:>7} {r['encode_ms']:9.2f} "
                   f"{r['decode_ms']:9.2f} {r['break_even_gbit_s']:17.2f}")
         return
-    config = THCConfig(bits=args.bits, granularity=args.granularity, backend=args.backend)
-    res = measure(config, args.dim, args.repeats, torch.device(args.device))
-    if not args.json and args.backend == "auto" and args.device == "cpu":
+    res = measure(config, args.dim, args.repeats, device)
+    if not args.json and args.backend == "auto" and device.type == "cpu":
         torch_only = measure(THCConfig(bits=args.bits, granularity=args.granularity, backend="torch"),
                              args.dim, args.repeats, torch.device("cpu"))
         res["torch_backend_break_even_gbit_s"] = torch_only["break_even_gbit_s"]

@@ -23,18 +23,21 @@ Needs root (exits with the reason otherwise). All namespaces are removed at the 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from topologies.netem import NetemConfig, NetemError, Topology, require_root
 from topologies.netem.ddp import run_training, start_aggregator
-from worker_lib.job import IP_UDP_OVERHEAD, JobConfig
+from worker_lib.cli.args import float_in, int_in
+from worker_lib.job import IP_UDP_OVERHEAD, JobConfig, JobConfigError
 from worker_lib.wire.layout import HEADER_BYTES
 
 MODES = ("thc", "thc-mcast", "int32", "int32-mcast", "gloo")
@@ -112,6 +115,13 @@ def kind(mode: str) -> str:
     return "thc" if mode.startswith("thc") else "uncompressed"
 
 
+def job_configs(args: argparse.Namespace) -> list[JobConfig]:
+    """The aggregator's jobs, one per mode other than gloo (ids 10, 11, ... in ``--modes`` order)."""
+    modes = [m for m in args.modes if m != "gloo"]
+    return [JobConfig(job=10 + i, workers=args.workers, kind=kind(m), multicast=GROUP if m.endswith("mcast") else None,
+                      mtu=args.mtu, elems=elems_for(kind(m), args), slots=args.slots) for i, m in enumerate(modes)]
+
+
 def run_all(args: argparse.Namespace) -> list[dict]:
     """Every rate x loss x mode, ``--repeats`` times, loss rates interleaved (a fresh topology each)."""
     rows = []
@@ -126,11 +136,7 @@ def run_all(args: argparse.Namespace) -> list[dict]:
                 jobs = {m: 10 + i for i, m in enumerate(modes)}
                 agg = None
                 if jobs:
-                    agg = start_aggregator(net, [
-                        JobConfig(job=j, workers=args.workers, kind=kind(m), multicast=GROUP if m.endswith("mcast")
-                                  else None, mtu=args.mtu, elems=elems_for(kind(m), args), slots=args.slots)
-                        for m, j in jobs.items()],
-                        multicast=any(m.endswith("mcast") for m in modes))
+                    agg = start_aggregator(net, job_configs(args), multicast=any(m.endswith("mcast") for m in modes))
                 for mode in args.modes:
                     row = measure(net, Run(rate, mode, pct), jobs.get(mode, 9), args, agg.pid if agg else None,
                                   tmp)
@@ -207,46 +213,99 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def number_list(noun: str, lo: float, hi: float, example: str) -> Callable[[str], list[float]]:
+    """An argparse type: distinct numbers, comma-separated, each in lo..hi (``noun`` names one in errors)."""
+
+    def parse(text: str) -> list[float]:
+        out: list[float] = []
+        for part in text.split(","):
+            try:
+                x = float(part)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected comma-separated numbers like {example}, got {text!r}") \
+                    from None
+            if not lo <= x <= hi:
+                raise argparse.ArgumentTypeError(f"every {noun} must be in {lo:g}..{hi:g}, got {part.strip()}")
+            if x in out:
+                raise argparse.ArgumentTypeError(f"{noun} {part.strip()} given twice")
+            out.append(x)
+        return out
+
+    parse.__name__ = f"{noun} list"
+    return parse
+
+
+def mode_list(text: str) -> list[str]:
+    """An argparse type: distinct modes, comma-separated, each one of ``MODES``."""
+    out = text.split(",")
+    unknown = [m for m in out if m not in MODES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown modes {unknown}; choose from {','.join(MODES)}")
+    if len(set(out)) < len(out):
+        raise argparse.ArgumentTypeError(f"a mode given twice in {text!r}")
+    return out
+
+
+def output_file(text: str) -> Path:
+    """An argparse type: a file to write at the end, in a folder that exists now."""
+    path = Path(text)
+    if not text or path.is_dir() or not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a file in an existing folder, got {text!r}")
+    return path
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.ddp_netem", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1000.0, 10000.0],
-                   help="link rates in Mbit/s, comma-separated")
-    p.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES), help=f"subset of {','.join(MODES)}")
-    p.add_argument("--workers", type=int, default=2, help="worker namespaces (one rank each)")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=2, help="steps excluded from the step time")
-    p.add_argument("--width", type=int, default=2030, help="MLP width (2030 x 2 layers: 4.19 M parameters, "
-                                                           "one DDP bucket just under 2^22 coordinates)")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--in-features", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--rates", type=number_list("rate", 1, 100_000, "1000,10000"), default=[1000.0, 10000.0],
+                   help="link rates in Mbit/s, comma-separated, each in 1..100000")
+    p.add_argument("--modes", type=mode_list, default=list(MODES), help=f"subset of {','.join(MODES)}")
+    p.add_argument("--workers", type=int_in(1, 200), default=2,
+                   help="worker namespaces (one rank each), 1..200; at most 32 with any mode but gloo")
+    p.add_argument("--steps", type=int_in(1, 1_000_000), default=6, help="training steps, more than --warmup")
+    p.add_argument("--warmup", type=int_in(0, 1_000_000), default=2, help="steps excluded from the step time")
+    p.add_argument("--width", type=int_in(1, 1 << 14), default=2030,
+                   help="MLP width, 1..16384 (2030 x 2 layers: 4.19 M parameters, one DDP bucket just under 2^22 "
+                        "coordinates)")
+    p.add_argument("--layers", type=int_in(1, 64), default=2, help="hidden layers, 1..64")
+    p.add_argument("--in-features", type=int_in(1, 1 << 16), default=32, help="input features, 1..65536")
+    p.add_argument("--batch-size", type=int_in(1, 1 << 16), default=32, help="samples per rank and step, 1..65536")
     p.add_argument("--qdisc", choices=("tbf", "htb"), default="tbf")
-    p.add_argument("--mtu", type=int, default=1500, help="MTU of every link (9000: jumbo frames, for every mode)")
-    p.add_argument("--elems", type=int, help="elements per aggregator packet K (default: the job's for the MTU)")
-    p.add_argument("--slots", type=int, default=128,
-                   help="slots S of the aggregator's jobs: the most uses a worker runs ahead of its oldest "
+    p.add_argument("--mtu", type=int_in(68, 65535), default=1500,
+                   help="MTU of every link, 68..65535 (9000: jumbo frames, for every mode)")
+    p.add_argument("--elems", type=int_in(8, 65528),
+                   help="elements per aggregator packet K, a multiple of 8 in 8..65528 (default: the job's for the "
+                        "MTU; capped at what fits it)")
+    p.add_argument("--slots", type=int_in(1, 65536), default=128,
+                   help="slots S of the aggregator's jobs, 1..65536: the most uses a worker runs ahead of its oldest "
                         "unanswered one (at least the packets sent during a loss's recovery)")
-    p.add_argument("--timeout", type=float, default=0.05,
-                   help="workers' first retransmission timeout, before a round trip is measured (s)")
-    p.add_argument("--loss", type=lambda s: [float(x) for x in s.split(",")], default=[0.0],
-                   help="random loss in %% per direction on every worker's link, comma-separated: 0,1 runs lossless "
-                        "and 1 %% interleaved and compares them (netem, or nftables: whole %%)")
-    p.add_argument("--repeats", type=int, default=1, help="runs of every configuration (medians are reported)")
+    p.add_argument("--timeout", type=float_in(1e-4, 60), default=0.05,
+                   help="workers' first retransmission timeout, before a round trip is measured (s), 0.0001..60")
+    p.add_argument("--loss", type=number_list("loss", 0, 99, "0,1"), default=[0.0],
+                   help="random loss in %% per direction on every worker's link, comma-separated, each in 0..99: 0,1 "
+                        "runs lossless and 1 %% interleaved and compares them (netem, or nftables: whole %%)")
+    p.add_argument("--repeats", type=int_in(1, 1000), default=1,
+                   help="runs of every configuration, 1..1000 (medians are reported)")
     p.add_argument("--loss-udp-only", action="store_true", help="drop only UDP (gloo's TCP and the rendezvous "
                                                                  "are spared)")
-    p.add_argument("--run-timeout", type=float, default=300.0, help="seconds for one configuration")
-    p.add_argument("--plot", type=Path, help="write the throughput-vs-bandwidth plot here (PNG)")
-    p.add_argument("--json", type=Path, help="write the rows here")
+    p.add_argument("--run-timeout", type=float_in(1, 86400), default=300.0,
+                   help="seconds for one configuration, 1..86400")
+    p.add_argument("--plot", type=output_file, help="write the throughput-vs-bandwidth plot here (PNG)")
+    p.add_argument("--json", type=output_file, help="write the rows here")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    unknown = set(args.modes) - set(MODES)
-    if unknown:
-        print(f"ddp_netem: unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}", file=sys.stderr)
-        return 2
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.steps <= args.warmup:
+        ap.error(f"--steps ({args.steps}) must be more than --warmup ({args.warmup}): no step would be timed")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        ap.error("--plot needs matplotlib (pip install matplotlib)")
+    try:
+        job_configs(args)
+    except JobConfigError as exc:
+        ap.error(str(exc))
     why = require_root()
     if why:
         print(f"ddp_netem: skipped: {why}", file=sys.stderr)

@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from aggregator.engine import DEFAULT_STRIDE, Aggregator
+from worker_lib.cli.args import int_in
 from worker_lib.job import JobConfig
 from worker_lib.wire import Header, PacketType, pack_bits
 from worker_lib.wire.protocol import Counter
@@ -56,11 +57,10 @@ def rate(cfg: JobConfig, compiled: bool, batches: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--batches", type=int, default=120, help="timed batches per engine and K (default 120)")
+    ap.add_argument("--batches", type=int_in(1, 1_000_000), default=120,
+                    help="timed batches per engine and K, 1..1000000 (default 120)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args(argv)
-    if args.batches < 1:
-        ap.error("--batches must be at least 1")
     rows = []
     for k in (256, 1024, 8192):
         cfg = JobConfig(job=1, key=7, workers=WORKERS, slots=256, elems=k, mtu=9000)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from worker_lib.cli.args import float_in, int_in
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {0.01: 3.0, 0.1: 10.0}  # loss each way -> most allowed ratio to the lossless time
 
@@ -35,7 +37,10 @@ def run_once(loss: float, args: argparse.Namespace) -> dict:
     """One ``thc-allreduce --json`` run; its JSON summary."""
     cmd = [sys.executable, "-m", "launchers.allreduce", "--workers", str(args.workers), "--dim", str(args.dim),
            "--loss-policy", "reliable", "--drop-up", str(loss), "--drop-down", str(loss), "--json"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.run_timeout, check=False)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.run_timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"thc-allreduce at loss {loss} ran past --run-timeout {args.run_timeout:g} s") from None
     if proc.returncode != 0:
         raise SystemExit(f"thc-allreduce failed at loss {loss}: {proc.stderr.strip().splitlines()[-1:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -64,7 +69,13 @@ def run_netns_once(loss: float, args: argparse.Namespace) -> dict:
                                      "--seed", "7", "--timeout", "0.05", "--deadline", "60"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
                  for w in range(args.workers)]
-        outs = [p.communicate(timeout=args.run_timeout) for p in procs]
+        try:
+            outs = [p.communicate(timeout=args.run_timeout) for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+                p.wait()
+            raise SystemExit(f"the workers at loss {loss} ran past --run-timeout {args.run_timeout:g} s") from None
         dropped = sum(net.counters().values())
     if any(p.returncode for p in procs):
         raise SystemExit(f"a worker failed at loss {loss}: {[e.strip()[-200:] for _, e in outs if e.strip()]}")
@@ -95,31 +106,49 @@ def measure(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def loss_rates(text: str) -> list[float]:
+    """An argparse type: distinct loss rates each way, comma-separated, each in 0..0.99."""
+    rates = []
+    for part in text.split(","):
+        try:
+            x = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected loss rates like 0,0.01,0.1, got {text!r}") from None
+        if not 0.0 <= x <= 0.99:
+            raise argparse.ArgumentTypeError(f"every loss rate must be in 0..0.99, got {part.strip()}")
+        if x in rates:
+            raise argparse.ArgumentTypeError(f"loss rate {part.strip()} given twice")
+        rates.append(x)
+    return rates
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point."""
     ap = argparse.ArgumentParser(prog="python -m benchmarks.loss", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--losses", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.01, 0.1],
-                    help="loss rates each way, comma-separated; include 0 for the ratios (default 0,0.01,0.1)")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per rate, interleaved (default 3)")
-    ap.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
-    ap.add_argument("--dim", type=int, default=1 << 20, help="coordinates per gradient (default 2^20)")
-    ap.add_argument("--run-timeout", type=float, default=600.0, help="seconds for one run (default 600)")
-    ap.add_argument("--netns", type=float, metavar="MBIT",
-                    help="run across network namespaces instead: links shaped by tc tbf to MBIT Mbit/s, loss "
-                         "dropped by nftables on the bridge (whole percent; needs root)")
+    ap.add_argument("--losses", type=loss_rates, default=[0.0, 0.01, 0.1],
+                    help="loss rates each way, comma-separated, each in 0..0.99; include 0 for the ratios "
+                         "(default 0,0.01,0.1)")
+    ap.add_argument("--repeats", type=int_in(1, 1000), default=3,
+                    help="runs per rate, interleaved, 1..1000 (default 3)")
+    ap.add_argument("--workers", type=int_in(1, 32), default=4, help="worker processes, 1..32 (default 4)")
+    ap.add_argument("--dim", type=int_in(1, 1 << 28), default=1 << 20,
+                    help="coordinates per gradient, 1..2^28 (default 2^20)")
+    ap.add_argument("--run-timeout", type=float_in(1, 86400), default=600.0,
+                    help="seconds for one run, 1..86400 (default 600)")
+    ap.add_argument("--netns", type=float_in(1, 100_000), metavar="MBIT",
+                    help="run across network namespaces instead: links shaped by tc tbf to MBIT Mbit/s (1..100000), "
+                         "loss dropped by nftables on the bridge (whole percent; needs root)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args(argv)
     if args.netns is not None:
+        if any(abs(100 * x - round(100 * x)) > 1e-9 for x in args.losses):
+            ap.error("--netns wants losses in whole percent (nftables numgen), e.g. 0,0.01,0.1")
         from topologies.netem import require_root
 
         why = require_root()
         if why:
             ap.error(f"--netns: {why}")
-        if args.netns <= 0 or any(abs(100 * x - round(100 * x)) > 1e-9 for x in args.losses):
-            ap.error("--netns wants a positive rate and losses in whole percent (nftables numgen)")
-    if args.repeats < 1 or any(not 0.0 <= x < 1.0 for x in args.losses):
-        ap.error("--repeats must be at least 1 and every loss in [0, 1)")
     rows = measure(args)
     if args.json:
         print(json.dumps(rows, indent=1))

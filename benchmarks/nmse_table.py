@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import argparse
 
+from worker_lib.cli.args import int_in
 from worker_lib.thc.nmse import NMSESetting, nmse_trials
 
 GRANULARITY = {2: 36, 3: 36, 4: 38}
 WORKERS = (1, 2, 4, 10)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dim", type=int, default=1 << 20)
-    parser.add_argument("--trials", type=int, default=10)
-    args = parser.parse_args()
+    parser.add_argument("--dim", type=int_in(1, 1 << 28), default=1 << 20,
+                        help="coordinates per vector, 1..2^28 (default 2^20)")
+    parser.add_argument("--trials", type=int_in(1, 1000), default=10,
+                        help="vectors per cell, 1..1000 (mean and standard deviation; default 10)")
+    args = parser.parse_args(argv)
     print("| bits (g) | " + " | ".join(f"n = {n}" for n in WORKERS) + " |")
     print("|---|" + "---|" * len(WORKERS))
     for bits, g in GRANULARITY.items():

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from aggregator.control import ControlAddress, send_command  # noqa: E402
 from launchers.aggregator_process import listening_port, stop_process  # noqa: E402
 from topologies.netem import require_root  # noqa: E402
-from worker_lib.cli.args import host_port  # noqa: E402
+from worker_lib.cli.args import float_in, host_port, int_in  # noqa: E402
 from worker_lib.job import JobConfig  # noqa: E402
 from worker_lib.thc import lookup_sum  # noqa: E402
 from worker_lib.transport import Transport, TransportConfig  # noqa: E402
@@ -256,34 +256,34 @@ def soak_netns(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--minutes", type=float, default=10.0, help="how long the workers exchange (default 10)")
-    ap.add_argument("--dim", type=int, default=1 << 16, help="coordinates per step and worker (default 2^16)")
-    ap.add_argument("--drop", type=float, default=0.01, help="drop share each way at the relay (default 0.01)")
-    ap.add_argument("--dup", type=float, default=0.01, help="duplicate share each way (default 0.01)")
-    ap.add_argument("--reorder", type=float, default=0.02, help="reorder share each way (default 0.02)")
-    ap.add_argument("--max-growth-mib", type=float, default=16.0,
-                    help="most resident-memory growth after warm-up called flat (default 16 MiB)")
-    ap.add_argument("--netns", type=float, metavar="MBIT",
-                    help="(root) across network namespaces, the link shaped to MBIT Mbit/s (see above)")
-    ap.add_argument("--link-loss", type=int, default=1, help="with --netns: %% of frames nftables drops each way "
-                                                             "on the link (whole %%, default 1)")
+    ap.add_argument("--minutes", type=float_in(0.01, 24 * 60), default=10.0,
+                    help="how long the workers exchange, 0.01..1440 (default 10)")
+    ap.add_argument("--dim", type=int_in(1, 1 << 24), default=1 << 16,
+                    help="coordinates per step and worker, 1..2^24 (default 2^16)")
+    ap.add_argument("--drop", type=float_in(0, 0.49), default=0.01,
+                    help="drop share each way at the relay, 0..0.49 (default 0.01)")
+    ap.add_argument("--dup", type=float_in(0, 0.49), default=0.01,
+                    help="duplicate share each way, 0..0.49 (default 0.01)")
+    ap.add_argument("--reorder", type=float_in(0, 0.49), default=0.02,
+                    help="reorder share each way, 0..0.49 (default 0.02)")
+    ap.add_argument("--max-growth-mib", type=float_in(0, 65536), default=16.0,
+                    help="most resident-memory growth after warm-up called flat, 0..65536 (default 16 MiB)")
+    ap.add_argument("--netns", type=float_in(1, 100_000), metavar="MBIT",
+                    help="(root) across network namespaces, the link shaped to MBIT Mbit/s, 1..100000 (see above)")
+    ap.add_argument("--link-loss", type=int_in(0, 49), default=1, help="with --netns: %% of frames nftables drops each "
+                                                                      "way on the link (whole %%, 0..49, default 1)")
     ap.add_argument("--attach", type=host_port, metavar="HOST:PORT", help=argparse.SUPPRESS)  # --netns's inner run
     ap.add_argument("--control", help=argparse.SUPPRESS)
-    ap.add_argument("--agg-pid", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--agg-pid", type=int_in(1, 1 << 22), help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
-    if args.attach and (args.control is None or args.agg_pid is None):
+    if args.attach and (not args.control or args.agg_pid is None):
         ap.error("--attach needs --control and --agg-pid")
     if args.netns is not None:
         why = require_root()
         if why:
             print(f"soak: --netns skipped: {why}", file=sys.stderr)
             return 2
-        if not 0 < args.netns <= 100_000 or not 0 <= args.link_loss < 50:
-            ap.error("--netns in (0, 100000] Mbit/s, --link-loss in 0..49")
-    if not 0 < args.minutes <= 24 * 60 or args.dim < 1 or not all(0 <= x < 0.5 for x in
-                                                                    (args.drop, args.dup, args.reorder)):
-        ap.error("--minutes in (0, 1440], --dim >= 1, and --drop, --dup, --reorder in [0, 0.5)")
     res = soak_netns(args) if args.netns is not None else soak(args)
     if args.json:
         print(json.dumps(res, indent=1))

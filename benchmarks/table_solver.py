@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -13,7 +14,8 @@ from worker_lib.thc.table import solve_table
 CASES = [(2, 36, 1 / 32), (4, 30, 1 / 32), (4, 51, 1 / 32), (4, 255, 1 / 64), (8, 255, 1 / 32), (8, 1000, 1 / 32)]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="It takes no options.").parse_args(argv)
     print("| b | g | p | solve time (ms) | objective |")
     print("|---|---|---|---|---|")
     for bits, g, p in CASES:

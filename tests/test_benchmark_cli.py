@@ -1,0 +1,100 @@
+"""The benchmark CLIs answer out-of-range and malformed options with one line on stderr, never a traceback.
+
+Every value here is refused before a benchmark starts (at parse time, or by the checks right after it), so
+no case runs a benchmark. As a safety belt against a regression that would start one anyway, PATH holds
+only the interpreter's folder: no ip, tc, nft, p4c or switch to build namespaces or start BMv2 with.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CASES = [
+    # benchmarks.loss
+    ("loss", ["--run-timeout", "-1"], "--run-timeout: must be in 1..86400, got -1"),
+    ("loss", ["--run-timeout", "0"], "--run-timeout: must be in 1..86400"),
+    ("loss", ["--losses", "0,1.5"], "--losses: every loss rate must be in 0..0.99, got 1.5"),
+    ("loss", ["--losses", "0,abc"], "--losses: expected loss rates like 0,0.01,0.1"),
+    ("loss", ["--repeats", "0"], "--repeats: must be in 1..1000, got 0"),
+    ("loss", ["--workers", "33"], "--workers: must be in 1..32, got 33"),
+    ("loss", ["--dim", "-1"], "--dim: must be in 1..268435456, got -1"),
+    ("loss", ["--netns", "-1"], "--netns: must be in 1..100000, got -1"),
+    ("loss", ["--netns", "1000", "--losses", "0,0.015"], "--netns wants losses in whole percent"),
+    # benchmarks.compression
+    ("compression", ["--dim", "-1"], "--dim: must be in 1..268435456, got -1"),
+    ("compression", ["--repeats", "-1"], "--repeats: must be in 1..1000, got -1"),
+    ("compression", ["--bits", "-1"], "--bits: must be in 1..8, got -1"),
+    ("compression", ["--granularity", "-1"], "--granularity: must be in 1..4096, got -1"),
+    ("compression", ["--granularity", "10"], "granularity must be >= 2^bits - 1 = 15 for 4 bits, got 10"),
+    ("compression", ["--bits", "8"], "--bits 8 --granularity 30: granularity must be >= 2^bits - 1 = 255"),
+    ("compression", ["--device", "-1"], "--device: expected cpu or cuda[:N], got '-1'"),
+    ("compression", ["--device", "abc"], "--device: expected cpu or cuda[:N], got 'abc'"),
+    ("compression", ["--device", ""], "--device: expected cpu or cuda[:N], got ''"),
+    ("compression", ["--device", "meta"], "--device: expected cpu or cuda[:N], got 'meta'"),
+    ("compression", ["--threads", "0"], "--threads: must be in 1..1024, got 0"),
+    ("compression", ["--backend", "gpu"], "--backend: invalid choice"),
+    # benchmarks.aggregator
+    ("aggregator", ["--seconds", "-1"], "--seconds: must be in 0.1..3600, got -1"),
+    ("aggregator", ["--elems", "-1"], "--elems: elems (K) must be a positive multiple of 8 below 65536, got -1"),
+    ("aggregator", ["--elems", "256,9000"], "--elems: a result of 9000 x 8-bit sums"),
+    ("aggregator", ["--elems", "256,x"], "--elems: expected integers like 256,1024,8192"),
+    ("aggregator", ["--repeats", "-1"], "--repeats: must be in 1..1000, got -1"),
+    ("aggregator", ["--dim", "0"], "--dim: must be in 1..268435456, got 0"),
+    ("aggregator", ["--cost-dim", "99999999"], "--cost-dim: must be in 1..8388608"),
+    ("aggregator", ["--cost-rounds", "0"], "--cost-rounds: must be in 1..1000, got 0"),
+    # benchmarks.nmse_table
+    ("nmse_table", ["--dim", "-1"], "--dim: must be in 1..268435456, got -1"),
+    ("nmse_table", ["--trials", "-1"], "--trials: must be in 1..1000, got -1"),
+    ("nmse_table", ["--trials", "abc"], "--trials: expected an integer, got 'abc'"),
+    # benchmarks.ddp_netem
+    ("ddp_netem", ["--rates", "-1"], "--rates: every rate must be in 1..100000, got -1"),
+    ("ddp_netem", ["--rates", "1000,"], "--rates: expected comma-separated numbers"),
+    ("ddp_netem", ["--workers", "-1"], "--workers: must be in 1..200, got -1"),
+    ("ddp_netem", ["--workers", "33"], "workers must be in 1..32, got 33"),
+    ("ddp_netem", ["--steps", "-1"], "--steps: must be in 1..1000000, got -1"),
+    ("ddp_netem", ["--steps", "2", "--warmup", "2"], "--steps (2) must be more than --warmup (2)"),
+    ("ddp_netem", ["--modes", "thc,bogus"], "--modes: unknown modes ['bogus']"),
+    ("ddp_netem", ["--loss", "100"], "--loss: every loss must be in 0..99, got 100"),
+    ("ddp_netem", ["--elems", "12"], "elems (K) must be a positive multiple of 8"),
+    ("ddp_netem", ["--mtu", "0"], "--mtu: must be in 68..65535, got 0"),
+    ("ddp_netem", ["--timeout", "0"], "--timeout: must be in 0.0001..60, got 0"),
+    ("ddp_netem", ["--width", "0"], "--width: must be in 1..16384, got 0"),
+    ("ddp_netem", ["--json", "/nonexistent/rows.json"], "--json: expected a file in an existing folder"),
+    # benchmarks.engine
+    ("engine", ["--batches", "0"], "--batches: must be in 1..1000000, got 0"),
+    # benchmarks.soak
+    ("soak", ["--minutes", "0"], "--minutes: must be in 0.01..1440, got 0"),
+    ("soak", ["--dim", "0"], "--dim: must be in 1..16777216, got 0"),
+    ("soak", ["--drop", "0.5"], "--drop: must be in 0..0.49, got 0.5"),
+    ("soak", ["--max-growth-mib", "-1"], "--max-growth-mib: must be in 0..65536, got -1"),
+    ("soak", ["--netns", "0"], "--netns: must be in 1..100000, got 0"),
+    ("soak", ["--link-loss", "50"], "--link-loss: must be in 0..49, got 50"),
+    ("soak", ["--attach", "127.0.0.1:9"], "--attach needs --control and --agg-pid"),
+    # benchmarks.table_solver (no options)
+    ("table_solver", ["--bogus"], "unrecognized arguments: --bogus"),
+    # benchmarks.bmv2
+    ("bmv2", ["--workers", "0"], "--workers: must be in 1..32, got 0"),
+    ("bmv2", ["--chunks", "-1"], "--chunks: must be in 1..100000, got -1"),
+    ("bmv2", ["--bits", "8"], "granularity must be >= 2^bits - 1 = 255 for 8 bits"),
+    ("bmv2", ["--elems", "2000"], "exceeds the mtu 1500"),
+    ("bmv2", ["--slots", "0"], "--slots: must be in 1..65536, got 0"),
+    ("bmv2", ["--workdir", ""], "--workdir: expected a folder, got ''"),
+]
+
+
+@pytest.mark.parametrize("module, argv, says", CASES, ids=[f"{m}:{','.join(a)}" for m, a, _ in CASES])
+def test_every_bad_benchmark_option_is_one_line(module: str, argv: list[str], says: str) -> None:
+    """Out-of-range and malformed options: exit 1 or 2, no traceback, one line naming the option or problem."""
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
+    r = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *argv], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT, env=env)
+    lines = [ln for ln in r.stderr.splitlines() if not ln.startswith("usage:") and not ln.startswith("  ")]
+    assert r.returncode in (1, 2) and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
+    assert says in lines[0], lines[0]
