@@ -61,7 +61,7 @@ def run_netns_once(loss: float, args: argparse.Namespace) -> dict:
     job = JobConfig(workers=args.workers, mtu=1500)
     chunks = -(-args.dim // job.elems)
     cfg = NetemConfig(workers=args.workers, rate_mbit=args.netns, loss_method="nftables", prefix="thcloss",
-                      loss_percent={f"w{i}": 100 * loss for i in range(args.workers)} if loss else {})
+                      loss_percent={f"w{i}": 100 * loss for i in range(args.workers)})  # 0: the rules drop nothing
     with Topology(cfg) as net:
         start_aggregator(net, [job])
         procs = [net.popen(f"w{w}", [sys.executable, "-m", "topologies.worker", "--job", job_spec(job), "--worker",

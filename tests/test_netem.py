@@ -64,9 +64,10 @@ def test_links_are_shaped(qdisc: str) -> None:
 
 @needs_root
 def test_random_loss_and_multicast() -> None:
-    """20 % UDP loss on w1's link drops about 20 % of its datagrams (counted by the rules); w0's link loses
-    nothing; a datagram multicast by agg reaches every worker."""
-    cfg = NetemConfig(workers=2, rate_mbit=100, loss_percent={"w1": 20}, loss_method="nftables",
+    """20 % UDP loss on w1's link drops about 20 % of its datagrams (counted by the rules); w0's link, listed
+    with 0 % (the rules a lossless baseline passes), loses nothing; a datagram multicast by agg reaches every
+    worker."""
+    cfg = NetemConfig(workers=2, rate_mbit=100, loss_percent={"w1": 20, "w0": 0}, loss_method="nftables",
                       loss_udp_only=True, prefix="thctl")
     with Topology(cfg) as net:
         agg = net.address("agg")
@@ -84,7 +85,7 @@ def test_random_loss_and_multicast() -> None:
         mcast = [json.loads(r.communicate(timeout=60)[0]) for r in rx]
     assert 1400 < lossy["packets"] < 1800, lossy
     assert drops["w1 up"] == 2000 - lossy["packets"]
-    assert clean["packets"] == 500
+    assert clean["packets"] == 500 and drops["w0 up"] == 0
     assert mcast[0]["packets"] == 100 and 65 < mcast[1]["packets"] < 95  # w1's downlink loses 20 % too
 
 

@@ -134,9 +134,14 @@ class TransportStats:
     multicast_results: int = 0  #: results that came through the job's multicast group
     send_blocked: int = 0  #: packets not sent because the send buffer stayed full for a timeout
     gso_sends: int = 0  #: system calls that sent a run of datagrams with UDP segmentation offload
+    #: seconds waited with room in the window but no free slot: every slot busy behind the oldest open
+    #: use (more slots would have let the worker send on; ``--slots``)
+    slot_bound_s: float = 0.0
+    #: seconds waited with the window full (the pacer's limit, or the path's)
+    window_bound_s: float = 0.0
     lost: list[tuple[int, int]] = field(default_factory=list)  #: (tensor, chunk) given up
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         return {k: v for k, v in self.__dict__.items() if k != "lost"}
 
 
@@ -474,8 +479,15 @@ class Transport:
                 continue
             due_at = deadlines(base, nxt, now)[~done[base:nxt]]
             wait = max(0.0, float(due_at.min()) - now) if due_at.size else 0.0
+            waited = time.monotonic()
             ready, _, _ = select.select(self.socks, [], [], max(wait, 0.0005))
             heard = last_answer
+            if nxt < count:  # blocked from sending: by the slots or by the window
+                waited = time.monotonic() - waited
+                if nxt - base >= p.slots:
+                    self.stats.slot_bound_s += waited
+                else:
+                    self.stats.window_bound_s += waited
             for sock in ready:
                 while True:
                     try:

@@ -65,7 +65,10 @@ class NetemConfig:
 
     workers: int = 2
     rate_mbit: float | None = 1000.0  #: every link, both directions; None: unshaped
-    loss_percent: dict[str, float] = field(default_factory=dict)  #: node -> % dropped per direction
+    #: node -> % dropped per direction. A node listed with 0 gets the same loss machinery dropping nothing
+    #: (its frames cut from GSO runs, the nftables rule or netem qdisc with 0 %), so that a lossless
+    #: baseline pays what the lossy runs pay for it; a node not listed gets none of it.
+    loss_percent: dict[str, float] = field(default_factory=dict)
     loss_method: LossMethod = "auto"  #: netem if the kernel has it, else nftables
     loss_udp_only: bool = False  #: drop only UDP (leaves the TCP of the rendezvous and gloo alone)
     qdisc: Qdisc = "tbf"
@@ -170,8 +173,8 @@ class Topology:
             _run([*n, "addr", "add", f"{self._addr[node]}/{plen}", "dev", "eth0"])
             _run([*n, "link", "set", "eth0", "up"])
             _run([*n, "route", "add", "224.0.0.0/4", "dev", "eth0"])
-            loss = cfg.loss_percent.get(node, 0.0)
-            if loss:
+            loss = cfg.loss_percent.get(node)
+            if loss is not None:
                 # Loss is per frame, as on a wire: a GSO run (a worker's UDP_SEGMENT send, a TCP segment
                 # train) is cut into frames as it leaves the node, as a NIC would, not dropped whole.
                 _run([*n, "link", "set", "dev", "eth0", "gso_max_segs", "1"])
@@ -186,8 +189,8 @@ class Topology:
         _run(["ip", "netns", "add", ns])
         self._created.append(ns)
 
-    def _shape(self, ns: str, dev: str, loss: float) -> None:
-        """Rate (tbf/htb) at the root, and netem loss under it when asked for and available."""
+    def _shape(self, ns: str, dev: str, loss: float | None) -> None:
+        """Rate (tbf/htb) at the root, and netem loss under it when asked for (None: not) and available."""
         cfg = self.cfg
         tc = ["tc", "-n", ns, "qdisc"]
         parent: list[str] = ["root"]
@@ -203,7 +206,7 @@ class Topology:
                 _run(["tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate",
                       rate, "ceil", rate, "burst", str(burst), "cburst", str(burst)])
                 parent = ["parent", "1:10"]
-        if not loss:
+        if loss is None:
             return
         if self.loss_method is None:
             self.loss_method = self._pick_loss_method(ns, dev, parent)
@@ -236,8 +239,8 @@ class Topology:
         what = "ip protocol udp " if self.cfg.loss_udp_only else ""
         lines = ["table bridge thcloss {", "  chain links {", "    type filter hook forward priority 0; policy accept;"]
         for i, node in enumerate(self.cfg.nodes):
-            loss = self.cfg.loss_percent.get(node, 0.0)
-            if not loss:
+            loss = self.cfg.loss_percent.get(node)
+            if loss is None:
                 continue
             pct = round(loss)
             if abs(pct - loss) > 1e-9:
