@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from aggregator.engine import DEFAULT_STRIDE
 from aggregator.io import BatchSocket, sockaddr_in, udp_socket
 from launchers.aggregator_process import listening_port
-from worker_lib.cli.args import float_in, int_in
+from worker_lib.cli.args import comma_list, float_in, int_in
 from worker_lib.job import JobConfig, JobConfigError
 from worker_lib.wire import PacketType, build_batch, fragment_count, pack_bits
 
@@ -372,29 +372,21 @@ def rate_job(k: int) -> JobConfig:
     return JobConfig(job=1, workers=WORKERS, elems=k, slots=256, mtu=9000)
 
 
-def elems_list(text: str) -> list[int]:
-    """An argparse type: distinct K values, comma-separated, each one a valid ``rate_job``."""
-    out = []
-    for part in text.split(","):
-        try:
-            k = int(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected integers like 256,1024,8192, got {text!r}") from None
-        try:
-            rate_job(k)
-        except JobConfigError as exc:
-            raise argparse.ArgumentTypeError(str(exc).removeprefix("job 1: ")) from None
-        if k in out:
-            raise argparse.ArgumentTypeError(f"K = {k} given twice")
-        out.append(k)
-    return out
+def rate_k(text: str) -> int:
+    """An argparse type: one K of the packet-rate part, a valid ``rate_job``."""
+    k = int_in(8, 65528)(text)
+    try:
+        rate_job(k)
+    except JobConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("job 1: ")) from None
+    return k
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float_in(0.1, 3600), default=3.0,
                     help="measurement time per target, 0.1..3600 (default 3)")
-    ap.add_argument("--elems", type=elems_list, default=[256, 1024, 8192],
+    ap.add_argument("--elems", type=comma_list(rate_k, "256,1024,8192"), default=[256, 1024, 8192],
                     help="indices per packet K, comma-separated, each a multiple of 8 in 8..8936 (its results "
                          "fit a 9000-byte MTU; default 256,1024,8192)")
     ap.add_argument("--repeats", type=int_in(1, 1000), default=3,

@@ -30,13 +30,12 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from topologies.netem import NetemConfig, NetemError, Topology, require_root
 from topologies.netem.ddp import run_training, start_aggregator
-from worker_lib.cli.args import float_in, int_in
+from worker_lib.cli.args import comma_list, float_in, int_in
 from worker_lib.job import IP_UDP_OVERHEAD, JobConfig, JobConfigError
 from worker_lib.wire.layout import HEADER_BYTES
 
@@ -224,37 +223,11 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def number_list(noun: str, lo: float, hi: float, example: str) -> Callable[[str], list[float]]:
-    """An argparse type: distinct numbers, comma-separated, each in lo..hi (``noun`` names one in errors)."""
-
-    def parse(text: str) -> list[float]:
-        out: list[float] = []
-        for part in text.split(","):
-            try:
-                x = float(part)
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"expected comma-separated numbers like {example}, got {text!r}") \
-                    from None
-            if not lo <= x <= hi:
-                raise argparse.ArgumentTypeError(f"every {noun} must be in {lo:g}..{hi:g}, got {part.strip()}")
-            if x in out:
-                raise argparse.ArgumentTypeError(f"{noun} {part.strip()} given twice")
-            out.append(x)
-        return out
-
-    parse.__name__ = f"{noun} list"
-    return parse
-
-
-def mode_list(text: str) -> list[str]:
-    """An argparse type: distinct modes, comma-separated, each one of ``MODES``."""
-    out = text.split(",")
-    unknown = [m for m in out if m not in MODES]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown modes {unknown}; choose from {','.join(MODES)}")
-    if len(set(out)) < len(out):
-        raise argparse.ArgumentTypeError(f"a mode given twice in {text!r}")
-    return out
+def mode(text: str) -> str:
+    """An argparse type: one of ``MODES``."""
+    if text not in MODES:
+        raise argparse.ArgumentTypeError(f"unknown mode {text!r}; choose from {','.join(MODES)}")
+    return text
 
 
 def output_file(text: str) -> Path:
@@ -268,9 +241,10 @@ def output_file(text: str) -> Path:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.ddp_netem", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--rates", type=number_list("rate", 1, 100_000, "1000,10000"), default=[1000.0, 10000.0],
+    p.add_argument("--rates", type=comma_list(float_in(1, 100_000), "1000,10000"), default=[1000.0, 10000.0],
                    help="link rates in Mbit/s, comma-separated, each in 1..100000")
-    p.add_argument("--modes", type=mode_list, default=list(MODES), help=f"subset of {','.join(MODES)}")
+    p.add_argument("--modes", type=comma_list(mode, "thc,gloo"), default=list(MODES),
+                   help=f"subset of {','.join(MODES)}")
     p.add_argument("--workers", type=int_in(1, 200), default=2,
                    help="worker namespaces (one rank each), 1..200; at most 32 with any mode but gloo")
     p.add_argument("--steps", type=int_in(1, 1_000_000), default=6, help="training steps, more than --warmup")
@@ -292,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "unanswered one (at least the packets sent during a loss's recovery)")
     p.add_argument("--timeout", type=float_in(1e-4, 60), default=0.05,
                    help="workers' first retransmission timeout, before a round trip is measured (s), 0.0001..60")
-    p.add_argument("--loss", type=number_list("loss", 0, 99, "0,1"), default=[0.0],
+    p.add_argument("--loss", type=comma_list(float_in(0, 99), "0,1"), default=[0.0],
                    help="random loss in %% per direction on every worker's link, comma-separated, each in 0..99: 0,1 "
                         "runs lossless and 1 %% interleaved and compares them (netem, or nftables: whole %%)")
     p.add_argument("--repeats", type=int_in(1, 1000), default=1,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from worker_lib.cli.args import float_in, int_in
+from worker_lib.cli.args import comma_list, float_in, int_in
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {0.01: 3.0, 0.1: 10.0}  # loss each way -> most allowed ratio to the lossless time
@@ -106,27 +106,11 @@ def measure(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def loss_rates(text: str) -> list[float]:
-    """An argparse type: distinct loss rates each way, comma-separated, each in 0..0.99."""
-    rates = []
-    for part in text.split(","):
-        try:
-            x = float(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected loss rates like 0,0.01,0.1, got {text!r}") from None
-        if not 0.0 <= x <= 0.99:
-            raise argparse.ArgumentTypeError(f"every loss rate must be in 0..0.99, got {part.strip()}")
-        if x in rates:
-            raise argparse.ArgumentTypeError(f"loss rate {part.strip()} given twice")
-        rates.append(x)
-    return rates
-
-
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point."""
     ap = argparse.ArgumentParser(prog="python -m benchmarks.loss", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--losses", type=loss_rates, default=[0.0, 0.01, 0.1],
+    ap.add_argument("--losses", type=comma_list(float_in(0, 0.99), "0,0.01,0.1"), default=[0.0, 0.01, 0.1],
                     help="loss rates each way, comma-separated, each in 0..0.99; include 0 for the ratios "
                          "(default 0,0.01,0.1)")
     ap.add_argument("--repeats", type=int_in(1, 1000), default=3,

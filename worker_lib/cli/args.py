@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import TypeVar
 
 from worker_lib.thc.table import parse_fraction
+
+T = TypeVar("T")
 
 
 def fraction(text: str) -> float:
@@ -70,3 +73,22 @@ def log_level(text: str) -> str:
     if text.upper() not in names:
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(names)}, got {text!r}")
     return text.upper()
+
+
+def comma_list(item: Callable[[str], T], example: str) -> Callable[[str], list[T]]:
+    """An argparse type: distinct comma-separated values, each parsed by the argparse type ``item`` (whose
+    message names the first bad one); ``example`` shows the form in the message for a malformed list."""
+
+    def parse(text: str) -> list[T]:
+        out: list[T] = []
+        for part in text.split(","):
+            if not part.strip():
+                raise argparse.ArgumentTypeError(f"expected a comma-separated list like {example}, got {text!r}")
+            value = item(part.strip())
+            if value in out:
+                raise argparse.ArgumentTypeError(f"{part.strip()} given twice")
+            out.append(value)
+        return out
+
+    parse.__name__ = "comma-separated list"
+    return parse
