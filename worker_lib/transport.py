@@ -408,16 +408,17 @@ class Transport:
         early = paced and policy == "reliable" and self.pacer.adaptive_timeout
         rack_sent, rack_use, rack_rtt = -math.inf, -1, 0.0
         # When the first datagram for one of these uses came after use i was (re)sent: its timer starts
-        # there, not at the send, for every use but the oldest (pacing.py, "Probing").
+        # there, not at the send (pacing.py, "Probing"); until then only the oldest open use is timed.
         heard_since = np.full(count, math.inf)
 
         def deadlines(base: int, nxt: int, now: float) -> np.ndarray:
             """When each use of base..nxt-1 is due to be resent: its timeout (window_rto) after the path
-            was next heard from after its send (or, the oldest, after its send if not yet), or sooner, for a use
-            sent before a use already answered, that use's round trip plus a reordering margin."""
+            was next heard from after its send (the oldest: after its send, if nothing was heard), or
+            sooner, for a use sent before a use already answered: that use's round trip plus a
+            reordering margin."""
             at = sent_at[base:nxt]
             start = at
-            if early and self.pacer.rtt is not None:
+            if early and self.pacer.rtt is not None and at.size:
                 start = heard_since[base:nxt].copy()
                 if start[0] == math.inf:  # the oldest probes a silent path
                     start[0] = at[0]
