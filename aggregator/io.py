@@ -19,6 +19,8 @@ import struct
 
 import numpy as np
 
+from worker_lib.udp_offload import GSO_BYTES, GSO_SEGMENTS, SOL_UDP, UDP_SEGMENT, gso_available
+
 MSG_DONTWAIT = 0x40
 SOCKADDR_IN_BYTES = 16
 
@@ -42,7 +44,12 @@ _OFF_NAME = _MsgHdr.name.offset // 8
 _OFF_NAMELEN = _MsgHdr.namelen.offset // 8
 _OFF_IOV = _MsgHdr.iov.offset // 8
 _OFF_IOVLEN = _MsgHdr.iovlen.offset // 8
+_OFF_CONTROL = _MsgHdr.control.offset // 8
+_OFF_CONTROLLEN = _MsgHdr.controllen.offset // 8
 _OFF_LEN = _MMsgHdr.len.offset // 8
+
+_CMSG_WORDS = 3  # CMSG_SPACE(sizeof(uint16_t)) = 24 bytes on 64-bit Linux: len, level | type << 32, data
+_CMSG_LEN = 18  # CMSG_LEN(sizeof(uint16_t))
 
 
 def _libc() -> ctypes.CDLL:
@@ -74,7 +81,7 @@ class BatchSocket:
     """A UDP socket with batched receive and send over preallocated buffers."""
 
     def __init__(self, sock: socket.socket, *, batch: int = 256, stride: int = 9216,
-                 max_send: int | None = None) -> None:
+                 max_send: int | None = None, gso: bool = False) -> None:
         _check_abi()
         if sock.family != socket.AF_INET or sock.type != socket.SOCK_DGRAM:
             raise ValueError("BatchSocket needs an IPv4 UDP socket")
@@ -106,6 +113,19 @@ class BatchSocket:
         self._tx_buf: np.ndarray | None = None  #: the buffer last sent from, and its address
         self._tx_base = np.uint64(0)
         self.send_errors = 0
+        # Segmentation offload: consecutive datagrams to one address with one length leave as one message
+        # (its iovecs are theirs, in order), cut by the kernel. Messages and their cmsgs, preallocated.
+        self.gso = gso and gso_available(sock)
+        self.gso_messages = 0  #: messages that carried more than one datagram
+        self._gso_msgs = np.zeros((self.max_send, _WORDS), np.uint64)
+        self._gso_msgs[:, _OFF_NAMELEN] = SOCKADDR_IN_BYTES
+        self._gso_msgs_at = self._gso_msgs.ctypes.data
+        self._gso_ctrl = np.zeros((self.max_send, _CMSG_WORDS), np.uint64)
+        self._gso_ctrl[:, 0] = _CMSG_LEN
+        self._gso_ctrl[:, 1] = SOL_UDP | (UDP_SEGMENT << 32)
+        self._gso_ctrl_at = np.uint64(self._gso_ctrl.ctypes.data)
+        self._tx_addr_at = np.uint64(self.tx_addr.ctypes.data)
+        self._tx_iov_at = np.uint64(self._tx_iov.ctypes.data)
 
     def wait(self, timeout: float) -> bool:
         """Block until a datagram is readable or ``timeout`` seconds pass."""
@@ -152,18 +172,60 @@ class BatchSocket:
             self._tx_iov[:m, 0] = base + np.asarray(rows[sl], np.uint64) * stride
             self._tx_iov[:m, 1] = lengths[sl]
             self.tx_addr[:m] = addrs[sl]
-            done = 0
-            while done < m:
-                r = self.libc.sendmmsg(self.fd, self._tx_msgs_at + done * _WORDS * 8, m - done, 0)
-                if r < 0:
-                    err = ctypes.get_errno()
-                    if err == errno.EINTR:
-                        continue
-                    self.send_errors += m - done
-                    break
-                done += r
+            if not (self.gso and m > 1 and self._send_segmented(m)):
+                self._sendmmsg(self._tx_msgs_at, m, np.ones(m, np.int64))
             sent += m
         return sent
+
+    def _sendmmsg(self, msgs_at: int, count: int, datagrams: np.ndarray) -> bool:
+        """sendmmsg ``count`` messages from ``msgs_at`` (message k carries ``datagrams[k]`` datagrams);
+        what the kernel refuses is counted in ``send_errors`` and dropped. False if it refused the very
+        first message with an error that a segmented message can cause (EINVAL, EIO, ENOPROTOOPT)."""
+        done = 0
+        while done < count:
+            r = self.libc.sendmmsg(self.fd, msgs_at + done * _WORDS * 8, count - done, 0)
+            if r < 0:
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                if done == 0 and err in (errno.EINVAL, errno.EIO, errno.ENOPROTOOPT):
+                    return False
+                self.send_errors += int(datagrams[done:].sum())
+                break
+            done += r
+        return True
+
+    def _send_segmented(self, m: int) -> bool:
+        """Send the ``m`` prepared datagrams as runs: consecutive ones with one address and one length
+        become one message (at most GSO_SEGMENTS and GSO_BYTES). False, with segmentation turned off
+        for this socket, if the kernel refuses it (the caller then sends them one by one)."""
+        lengths = self._tx_iov[:m, 1].astype(np.int64)
+        addr = self.tx_addr[:m].view(np.uint64)  # (m, 2): a sockaddr_in as two words
+        start = np.ones(m, bool)
+        start[1:] = (addr[1:] != addr[:-1]).any(axis=1) | (lengths[1:] != lengths[:-1])
+        first = np.flatnonzero(start)
+        pos = np.arange(m) - first[np.cumsum(start) - 1]  # place within its run
+        start |= pos % np.minimum(GSO_SEGMENTS, GSO_BYTES // np.maximum(lengths, 1)) == 0
+        first = np.flatnonzero(start)
+        k = first.size
+        if k == m:
+            return False  # no run to join: the plain messages are as good
+        counts = np.diff(np.append(first, m))
+        firsts = first.astype(np.uint64)
+        msgs = self._gso_msgs[:k]
+        msgs[:, _OFF_NAME] = self._tx_addr_at + firsts * np.uint64(SOCKADDR_IN_BYTES)
+        msgs[:, _OFF_IOV] = self._tx_iov_at + firsts * np.uint64(16)
+        msgs[:, _OFF_IOVLEN] = counts
+        multi = counts > 1
+        self._gso_ctrl[:k, 2] = lengths[first]
+        msgs[:, _OFF_CONTROL] = np.where(multi, self._gso_ctrl_at + np.arange(k, dtype=np.uint64) *
+                                         np.uint64(_CMSG_WORDS * 8), np.uint64(0))
+        msgs[:, _OFF_CONTROLLEN] = np.where(multi, _CMSG_WORDS * 8, 0)
+        if not self._sendmmsg(self._gso_msgs_at, k, counts):
+            self.gso = False
+            return False
+        self.gso_messages += int(np.count_nonzero(multi))
+        return True
 
 
 def udp_socket(host: str, port: int, *, rcvbuf: int = 8 << 20, sndbuf: int = 8 << 20) -> socket.socket:

@@ -96,7 +96,8 @@ class Shard:
     def __init__(self, cfg: ServerConfig, sock: socket.socket, shard: int, jobs: Sequence[JobConfig],
                  counters: np.ndarray | None = None, dar_counters: np.ndarray | None = None) -> None:
         self.cfg, self.shard = cfg, shard
-        self.io = BatchSocket(sock, batch=cfg.batch, stride=cfg.stride)
+        # answers leave as segmentation-offload runs (one per destination), except to a multicast group
+        self.io = BatchSocket(sock, batch=cfg.batch, stride=cfg.stride, gso=not cfg.multicast)
         if cfg.multicast:
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(cfg.host))
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
@@ -284,8 +285,9 @@ class Shard:
                     dests = self._destinations(j, int(rx_rows[out.src[g[-1]]]))
                     if dests is None:
                         continue
-                    rows_l.append(np.repeat(g, len(dests)))
-                    addr_l.append(np.tile(dests, (g.size, 1)))
+                    # destination by destination: each worker's results in a row, one GSO run each
+                    rows_l.append(np.tile(g, len(dests)))
+                    addr_l.append(np.repeat(dests, g.size, axis=0))
         if not rows_l:
             return
         rows = np.concatenate(rows_l)

@@ -23,7 +23,8 @@ import time
 import numpy as np
 
 from worker_lib.job import JobConfig
-from worker_lib.transport import Transport, TransportConfig, gso_available
+from worker_lib.transport import Transport, TransportConfig
+from worker_lib.udp_offload import gso_available
 from worker_lib.wire.layout import HEADER_BYTES
 
 

@@ -115,16 +115,18 @@ print(json.dumps([runs[r] for r in range(20)]))
 
 
 @needs_root
-def test_loss_is_per_frame_under_segmentation_offload() -> None:
-    """A lossy node's GSO runs (one UDP_SEGMENT send of 64 datagrams) lose single frames, as on a wire,
-    not whole runs: 50 % loss delivers part of most runs (a whole-run drop would deliver 0 or 64)."""
+@pytest.mark.parametrize("sender, receiver", [("w0", "agg"), ("agg", "w0")])
+def test_loss_is_per_frame_under_segmentation_offload(sender: str, receiver: str) -> None:
+    """GSO runs (one UDP_SEGMENT send of 64 datagrams) to or from a lossy node lose single frames, as on a
+    wire, not whole runs: 50 % loss delivers part of most runs (a whole-run drop would deliver 0 or 64).
+    Both ways: workers send their windows so, and the aggregator its answers."""
     cfg = NetemConfig(workers=1, rate_mbit=100, loss_percent={"w0": 50}, loss_method="nftables",
                       loss_udp_only=True, prefix="thcgs")
     with Topology(cfg) as net:
-        agg = net.address("agg")
-        rx = net.popen("agg", [sys.executable, "-c", GSO_RECEIVER, agg], stdout=subprocess.PIPE, text=True)
+        to = net.address(receiver)
+        rx = net.popen(receiver, [sys.executable, "-c", GSO_RECEIVER, to], stdout=subprocess.PIPE, text=True)
         assert rx.stdout.readline().strip() == "ready"
-        subprocess.run(net.command("w0", [sys.executable, "-c", GSO_SENDER, agg]), check=True, timeout=60)
+        subprocess.run(net.command(sender, [sys.executable, "-c", GSO_SENDER, to]), check=True, timeout=60)
         per_run = json.loads(rx.communicate(timeout=60)[0])
     assert 0.35 < sum(per_run) / (20 * 64) < 0.65, per_run
     assert sum(0 < k < 64 for k in per_run) >= 15, per_run

@@ -19,7 +19,8 @@ from aggregator.server import AggregatorServer, ServerConfig
 from worker_lib.allreduce import THCAllreduce
 from worker_lib.job import JobConfig
 from worker_lib.thc import SignKey, THCCodec, THCConfig, lookup_sum
-from worker_lib.transport import AggregatorUnreachable, Transport, TransportConfig, UseResults, gso_available
+from worker_lib.transport import AggregatorUnreachable, Transport, TransportConfig, UseResults
+from worker_lib.udp_offload import gso_available
 from worker_lib.wire import Header
 from worker_lib.wire.protocol import Counter
 

@@ -53,6 +53,7 @@ import numpy as np
 
 from worker_lib.job import JobConfig
 from worker_lib.pacing import Pacer, extend_loss_runs
+from worker_lib.udp_offload import GSO_BYTES, GSO_SEGMENTS, SOL_UDP, UDP_SEGMENT, gso_available
 from worker_lib.wire.bits import pack_bits
 from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, PacketType
 from worker_lib.wire.pcap import PcapWriter
@@ -613,21 +614,6 @@ class Transport:
             return  # an ICMP error from an earlier packet: the timeout retransmits
         if self.pcap is not None:
             self.pcap.write(self.sock.getsockname(), dest, bytes(data))
-
-
-#: Linux's UDP segmentation offload (udp(7), since 4.18): the socket option and cmsg type, and its limits
-#: per call (UDP_MAX_SEGMENTS, and a datagram's 64 KiB).
-SOL_UDP, UDP_SEGMENT = socket.IPPROTO_UDP, 103
-GSO_SEGMENTS, GSO_BYTES = 64, 65507
-
-
-def gso_available(sock: socket.socket) -> bool:
-    """Whether the kernel knows UDP_SEGMENT (reading the option does not set it)."""
-    try:
-        sock.getsockopt(SOL_UDP, UDP_SEGMENT)
-    except OSError:
-        return False
-    return True
 
 
 def _multicast_socket(spec: str, iface: str) -> socket.socket:

@@ -66,8 +66,9 @@ class NetemConfig:
     workers: int = 2
     rate_mbit: float | None = 1000.0  #: every link, both directions; None: unshaped
     #: node -> % dropped per direction. A node listed with 0 gets the same loss machinery dropping nothing
-    #: (its frames cut from GSO runs, the nftables rule or netem qdisc with 0 %), so that a lossless
-    #: baseline pays what the lossy runs pay for it; a node not listed gets none of it.
+    #: (the nftables rule or netem qdisc with 0 %), so that a lossless baseline pays what the lossy runs
+    #: pay for it; a node not listed gets none of it. With any node listed, every node's link carries
+    #: frames, not GSO runs (``gso_max_segs 1``).
     loss_percent: dict[str, float] = field(default_factory=dict)
     loss_method: LossMethod = "auto"  #: netem if the kernel has it, else nftables
     loss_udp_only: bool = False  #: drop only UDP (leaves the TCP of the rendezvous and gloo alone)
@@ -174,9 +175,10 @@ class Topology:
             _run([*n, "link", "set", "eth0", "up"])
             _run([*n, "route", "add", "224.0.0.0/4", "dev", "eth0"])
             loss = cfg.loss_percent.get(node)
-            if loss is not None:
-                # Loss is per frame, as on a wire: a GSO run (a worker's UDP_SEGMENT send, a TCP segment
-                # train) is cut into frames as it leaves the node, as a NIC would, not dropped whole.
+            if cfg.loss_percent:
+                # Loss is per frame, as on a wire: a GSO run (a worker's or the aggregator's UDP_SEGMENT
+                # send, a TCP segment train) is cut into frames as it leaves any node, as a NIC would,
+                # not dropped whole by a rule on the bridge.
                 _run([*n, "link", "set", "dev", "eth0", "gso_max_segs", "1"])
             self._shape(ns, "eth0", loss)
             self._shape(self.bridge_ns, port, loss)

@@ -1,0 +1,60 @@
+"""aggregator.io.BatchSocket: a batch of rows reaches its addresses as the same datagrams, in order,
+with and without segmentation offload (runs to one address of one length leave as one message)."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+
+from aggregator.io import BatchSocket, sockaddr_in, udp_socket
+from worker_lib.udp_offload import gso_available
+
+
+def _receivers(n: int) -> list[socket.socket]:
+    out = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        s.bind(("127.0.0.1", 0))
+        s.settimeout(5)
+        out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("gso", [False, True])
+def test_rows_arrive_as_their_datagrams(gso: bool) -> None:
+    """200 datagrams to 3 receivers: runs to one receiver (one of 150 of equal length: more than 64
+    segments), lengths that change inside a run, a run of one, receivers that alternate. Each receiver
+    gets exactly its rows, in order; with offload fewer messages than datagrams are sent."""
+    if gso and not gso_available(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)):
+        pytest.skip("the kernel has no UDP_SEGMENT (udp(7), Linux 4.18+)")
+    rx = _receivers(3)
+    addrs = np.stack([np.frombuffer(sockaddr_in(*s.getsockname()), np.uint8) for s in rx])
+    rng = np.random.default_rng(1)
+    buf = rng.integers(0, 256, (256, 600), dtype=np.uint8)
+    dest = np.array([0] * 150 + [1] * 20 + [2] + [0, 1] * 10 + [2] * 9)
+    lengths = np.array([544] * 150 + [300] * 10 + [200] * 10 + [50] + [544] * 29)
+    rows = rng.permutation(256)[:200]
+    tx = BatchSocket(udp_socket("127.0.0.1", 0), batch=8, gso=gso)
+    try:
+        assert tx.send(buf, rows, lengths, addrs[dest]) == 200
+        assert tx.send_errors == 0
+        for r, s in enumerate(rx):
+            want = [buf[rows[k], :lengths[k]].tobytes() for k in np.flatnonzero(dest == r)]
+            got = [s.recv(65536) for _ in want]
+            assert got == want
+            s.settimeout(0.05)
+            with pytest.raises(TimeoutError):
+                s.recv(65536)
+        if gso:
+            # runs of more than one datagram: the 150 (64 + 64 + 22), the 10 + 10 of two lengths, the last 9
+            assert tx.gso
+            assert tx.gso_messages == 6, tx.gso_messages
+        else:
+            assert tx.gso_messages == 0
+    finally:
+        tx.sock.close()
+        for s in rx:
+            s.close()

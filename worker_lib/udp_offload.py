@@ -1,0 +1,27 @@
+"""UDP segmentation offload (udp(7), Linux 4.18+): one send of many equal-size datagrams.
+
+A ``sendmsg``/``sendmmsg`` message with a ``UDP_SEGMENT`` control message carries up to
+``GSO_SEGMENTS`` datagrams of the cmsg's size back to back (``GSO_BYTES`` in all); the kernel passes
+the run through the socket and IP layers once and cuts it into the datagrams as late as it can (in the
+NIC where it segments UDP). Workers send their windows this way (``worker_lib.transport``) and the
+aggregator its answers (``aggregator.io``); both fall back to one datagram per message where the kernel
+lacks it or refuses a run.
+"""
+
+from __future__ import annotations
+
+import socket
+
+#: The socket level and option (and cmsg type) of UDP segmentation offload.
+SOL_UDP, UDP_SEGMENT = socket.IPPROTO_UDP, 103
+#: Most datagrams per message (UDP_MAX_SEGMENTS) and bytes of payload in all (one UDP datagram's limit).
+GSO_SEGMENTS, GSO_BYTES = 64, 65507
+
+
+def gso_available(sock: socket.socket) -> bool:
+    """Whether the kernel knows UDP_SEGMENT (reading the option does not set it)."""
+    try:
+        sock.getsockopt(SOL_UDP, UDP_SEGMENT)
+    except OSError:
+        return False
+    return True
