@@ -108,6 +108,7 @@ def measure(net: Topology, run: Run, job: int, args: argparse.Namespace, agg_pid
             "payload_bytes_up": sent, "link_up_s": sent * 8 / (run.rate_mbit * 1e6),
             "aggregator_cpu_s": agg_cpu / steps, "identical": s["identical"], "final_loss": s["final_loss"],
             "retransmissions": hook.get("transport_retransmissions", 0), "mtu": args.mtu, "wall_s": wall,
+            "early_retransmissions": hook.get("transport_early_retransmissions", 0),
             "slot_bound_s": hook.get("transport_slot_bound_s", 0.0) / steps,
             "window_bound_s": hook.get("transport_window_bound_s", 0.0) / steps}
 

@@ -594,8 +594,10 @@ def test_one_lost_use_does_not_stop_the_window(policy: str) -> None:
     resend_at = sent.index(0, 1)
     if policy == "reliable":
         assert resend_at < sent.index(15), sent
+        assert tr.stats.early_retransmissions == 1
     else:
         assert resend_at == 16, sent
+        assert tr.stats.early_retransmissions == 0
 
 
 def test_congestion_window_backs_off_a_full_queue() -> None:

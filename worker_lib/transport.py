@@ -135,6 +135,7 @@ class TransportStats:
     multicast_results: int = 0  #: results that came through the job's multicast group
     send_blocked: int = 0  #: packets not sent because the send buffer stayed full for a timeout
     gso_sends: int = 0  #: system calls that sent a run of datagrams with UDP segmentation offload
+    early_retransmissions: int = 0  #: uses resent because later ones were answered (RACK), not by timeout
     #: seconds waited with room in the window but no free slot: every slot busy behind the oldest open
     #: use (more slots would have let the worker send on; ``--slots``)
     slot_bound_s: float = 0.0
@@ -412,7 +413,7 @@ class Transport:
         # there, not at the send (pacing.py, "Probing"); until then only the oldest open use is timed.
         heard_since = np.full(count, math.inf)
 
-        def deadlines(base: int, nxt: int, now: float) -> np.ndarray:
+        def deadlines(base: int, nxt: int, now: float, early_only: bool = False) -> np.ndarray:
             """When each use of base..nxt-1 is due to be resent: its timeout (window_rto) after the path
             was next heard from after its send (the oldest: after its send, if nothing was heard), or
             sooner, for a use sent before a use already answered: that use's round trip plus a
@@ -424,6 +425,8 @@ class Transport:
                 if start[0] == math.inf:  # the oldest probes a silent path
                     start[0] = at[0]
             due_at = start + self.pacer.window_rto(tries[base:nxt], silent=now - last_answer)
+            if early_only:
+                due_at = np.full(at.size, math.inf)
             if early and rack_use >= 0:
                 before = (at < rack_sent) | ((at == rack_sent) & (np.arange(base, nxt) < rack_use))
                 due_at = np.where(before, np.minimum(due_at, at + rack_rtt + self.pacer.reorder_margin()), due_at)
@@ -456,6 +459,9 @@ class Transport:
             nxt += n
             # Resend or give up what is due (each resend backs that use's timeout off, see pacing.py).
             due = base + np.flatnonzero(~done[base:nxt] & (deadlines(base, nxt, now) <= now))
+            if due.size and early:  # how many of them only the later answers showed lost (RACK)
+                self.stats.early_retransmissions += int(np.count_nonzero(
+                    deadlines(base, nxt, now, early_only=True)[due - base] <= now))
             if due.size and paced:
                 burst = extend_loss_runs(runs, due[tries[due] == 0], self.pacer.burst_run())
                 self.pacer.expired(now, int(due.size), burst=burst)
