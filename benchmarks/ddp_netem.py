@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--elems", type=int_in(8, 65528),
                    help="elements per aggregator packet K, a multiple of 8 in 8..65528 (default: the job's for the "
                         "MTU; capped at what fits it)")
-    p.add_argument("--slots", type=int_in(1, 65536), default=128,
+    p.add_argument("--slots", type=int_in(1, 65536), default=512,
                    help="slots S of the aggregator's jobs, 1..65536: the most uses a worker runs ahead of its oldest "
                         "unanswered one (at least the packets sent during a loss's recovery)")
     p.add_argument("--timeout", type=float_in(1e-4, 60), default=0.05,

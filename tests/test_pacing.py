@@ -178,6 +178,23 @@ def test_a_growing_queue_stops_the_window_growing() -> None:
     assert p.cwnd == pytest.approx(16 + 1 / 16)
 
 
+def test_scheduling_jitter_is_not_a_queue() -> None:
+    """Base round trip 0.3 ms, recent 1.5 ms: by the count of uses 16 * 0.8 = 12.8 are queued, but the
+    added delay (1.2 ms) is below 2 ms: processes on shared cores, not a queue; the window keeps growing.
+    At recent 3 ms (2.7 ms added) it stops."""
+    p = pacer(max_window=64, initial_window=16)
+    p.sample(0.0003)
+    for _ in range(7):
+        p.sample(0.0015)
+    assert p.queue() == pytest.approx(12.8)
+    p.answered(0.0)
+    assert p.cwnd == 17.0
+    for _ in range(8):
+        p.sample(0.003)
+    p.answered(0.0)
+    assert (p.window(), p.ssthresh) == (17, 17.0)
+
+
 def test_fixed_pacing_ignores_samples_and_expiries() -> None:
     """With both adaptations off (zero-fill), the timeout and the window never move."""
     p = pacer(adaptive_timeout=False, congestion_control=False, max_window=8)

@@ -33,9 +33,14 @@ Random loss must cost little and congestion must still slow a worker down, so th
 - Window: starts at ``initial_window`` uses, grows by one use per answer (slow start) up to
   ``ssthresh``, then by one use per window of answers, up to ``max_window``; but not while the worker's
   own uses queue: queue = window * (1 - base / recent), with base the least clean round trip seen and
-  recent the median of the last ``RECENT`` (TCP Vegas's estimate); above ``QUEUE_HIGH`` uses the window
-  stays and slow start ends. A window larger than the path (or the aggregator's CPU) drains only
-  lengthens the round trip, hence every timeout. Losses cut the window (halve it, not below 2, at most
+  recent the median of the last ``RECENT`` (TCP Vegas's estimate); above ``QUEUE_HIGH`` uses, when the
+  queue also holds recent - base > max(``QUEUE_DELAY``, base) seconds, the window stays and slow start
+  ends. A window larger than the path (or the aggregator's CPU) drains only lengthens the round trip,
+  hence every timeout. The delay floor is there because these round trips are those of user-space
+  processes on shared cores, whose scheduling alone moves them by a millisecond or more: with the
+  count of uses alone, a base of 0.3 ms and a recent 1.5 ms read as 80 % of the window queued, and the
+  window of a DDP step at 1 Gbit/s stayed near its first 16 uses, the limit of most of the step's
+  network phase (``TransportStats.window_bound_s``). Losses cut the window (halve it, not below 2, at most
   once per round trip) only in a *burst*: a run of max(``BURST_RUN``, window / 2) uses, consecutive in
   send order, that all expired on their first send (``burst_run``). A queue that overflows drops a run
   of consecutive packets; random loss drops scattered ones. Even at 10 % each way among 4 workers,
@@ -88,8 +93,10 @@ import numpy as np
 SAMPLES = 32
 #: The timeout is this many round trips (the lower quartile of the samples).
 RTO_FACTOR = 3.0
-#: Queued uses of this worker above which the window stops growing.
+#: Queued uses of this worker above which the window stops growing (with at least ``QUEUE_DELAY``).
 QUEUE_HIGH = 6.0
+#: Seconds of queueing delay (recent - least round trip) a queue must add, at least, to stop the window.
+QUEUE_DELAY = 0.002
 #: Samples whose median is the recent round trip the queue is measured with.
 RECENT = 8
 #: Timeouts without any answer after which the path is taken as dead and timeouts back off further,
@@ -133,6 +140,7 @@ class Pacer:
         self.max_window = max_window
         self._samples: deque[float] = deque(maxlen=SAMPLES)
         self._recent: deque[float] = deque(maxlen=RECENT)
+        self._recent_rtt = 0.0  #: the median of ``_recent`` when ``queue`` last looked
         self._rtt: float | None = None
         self._rtt_stale = False  #: samples came since ``_rtt`` was computed
         self.base_rtt = math.inf  #: the least clean round trip seen (no queue)
@@ -214,7 +222,8 @@ class Pacer:
         if not self.congestion_control:
             return
         queue = self.queue()
-        if queue is not None and queue > QUEUE_HIGH:
+        if queue is not None and queue > QUEUE_HIGH and \
+                self._recent_rtt - self.base_rtt > max(QUEUE_DELAY, self.base_rtt):
             self.ssthresh = min(self.ssthresh, self.cwnd)  # a queue shows: slow start ends, growth pauses
             return
         step = 1.0 if self.cwnd < self.ssthresh else 1.0 / self.cwnd
@@ -225,7 +234,7 @@ class Pacer:
         before ``RECENT`` samples)."""
         if len(self._recent) < RECENT:
             return None
-        recent = statistics.median(self._recent)
+        recent = self._recent_rtt = statistics.median(self._recent)
         return self.cwnd * (1.0 - self.base_rtt / recent) if recent > 0 else 0.0
 
     def expired(self, now: float, count: int = 1, burst: bool = False) -> None:
