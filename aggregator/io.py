@@ -173,14 +173,15 @@ class BatchSocket:
             self._tx_iov[:m, 1] = lengths[sl]
             self.tx_addr[:m] = addrs[sl]
             if not (self.gso and m > 1 and self._send_segmented(m)):
-                self._sendmmsg(self._tx_msgs_at, m, np.ones(m, np.int64))
+                self._sendmmsg(self._tx_msgs_at, m)
             sent += m
         return sent
 
-    def _sendmmsg(self, msgs_at: int, count: int, datagrams: np.ndarray) -> bool:
-        """sendmmsg ``count`` messages from ``msgs_at`` (message k carries ``datagrams[k]`` datagrams);
-        what the kernel refuses is counted in ``send_errors`` and dropped. False if it refused the very
-        first message with an error that a segmented message can cause (EINVAL, EIO, ENOPROTOOPT)."""
+    def _sendmmsg(self, msgs_at: int, count: int, datagrams: np.ndarray | None = None) -> bool:
+        """sendmmsg ``count`` messages from ``msgs_at`` (message k carries ``datagrams[k]`` datagrams, one
+        each if None); what the kernel refuses is counted in ``send_errors`` and dropped. False if it
+        refused the very first message with an error that a segmented message can cause (EINVAL, EIO,
+        ENOPROTOOPT)."""
         done = 0
         while done < count:
             r = self.libc.sendmmsg(self.fd, msgs_at + done * _WORDS * 8, count - done, 0)
@@ -190,15 +191,16 @@ class BatchSocket:
                     continue
                 if done == 0 and err in (errno.EINVAL, errno.EIO, errno.ENOPROTOOPT):
                     return False
-                self.send_errors += int(datagrams[done:].sum())
+                self.send_errors += count - done if datagrams is None else int(datagrams[done:].sum())
                 break
             done += r
         return True
 
     def _send_segmented(self, m: int) -> bool:
         """Send the ``m`` prepared datagrams as runs: consecutive ones with one address and one length
-        become one message (at most GSO_SEGMENTS and GSO_BYTES). False, with segmentation turned off
-        for this socket, if the kernel refuses it (the caller then sends them one by one)."""
+        become one message (at most GSO_SEGMENTS and GSO_BYTES). False if nothing was sent: no two
+        datagrams form a run, or the kernel refused the first message (then segmentation is turned off
+        for this socket); the caller then sends them one per message."""
         lengths = self._tx_iov[:m, 1].astype(np.int64)
         addr = self.tx_addr[:m].view(np.uint64)  # (m, 2): a sockaddr_in as two words
         start = np.ones(m, bool)

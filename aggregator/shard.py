@@ -263,8 +263,9 @@ class Shard:
             dests = self._destinations(int(out.job[0]), int(rx_rows[out.src[0]]))
             if dests is not None:
                 rows = np.zeros(len(dests), np.int64)
-                self.io.send(out.buf, rows, out.length[rows], dests)
-                self._pcap_sent(out.buf, rows, dests, out.length[rows])
+                lengths = out.length[rows]
+                self.io.send(out.buf, rows, lengths, dests)
+                self._pcap_sent(out.buf, rows, dests, lengths)
             return
         fan = out.fanout[:m]
         rows_l: list[np.ndarray] = []

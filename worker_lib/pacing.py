@@ -140,7 +140,6 @@ class Pacer:
         self.max_window = max_window
         self._samples: deque[float] = deque(maxlen=SAMPLES)
         self._recent: deque[float] = deque(maxlen=RECENT)
-        self._recent_rtt = 0.0  #: the median of ``_recent`` when ``queue`` last looked
         self._rtt: float | None = None
         self._rtt_stale = False  #: samples came since ``_rtt`` was computed
         self.base_rtt = math.inf  #: the least clean round trip seen (no queue)
@@ -221,9 +220,9 @@ class Pacer:
         """A use was answered at ``now``: grow the window unless a queue shows (see the module's text)."""
         if not self.congestion_control:
             return
-        queue = self.queue()
-        if queue is not None and queue > QUEUE_HIGH and \
-                self._recent_rtt - self.base_rtt > max(QUEUE_DELAY, self.base_rtt):
+        recent = self._recent_rtt()
+        if recent is not None and self._queued(recent) > QUEUE_HIGH and \
+                recent - self.base_rtt > max(QUEUE_DELAY, self.base_rtt):
             self.ssthresh = min(self.ssthresh, self.cwnd)  # a queue shows: slow start ends, growth pauses
             return
         step = 1.0 if self.cwnd < self.ssthresh else 1.0 / self.cwnd
@@ -232,9 +231,15 @@ class Pacer:
     def queue(self) -> float | None:
         """Uses of this worker waiting in a queue on the path, estimated from the round trips (None
         before ``RECENT`` samples)."""
-        if len(self._recent) < RECENT:
-            return None
-        recent = self._recent_rtt = statistics.median(self._recent)
+        recent = self._recent_rtt()
+        return None if recent is None else self._queued(recent)
+
+    def _recent_rtt(self) -> float | None:
+        """The median of the last ``RECENT`` clean round trips (None before that many)."""
+        return statistics.median(self._recent) if len(self._recent) == RECENT else None
+
+    def _queued(self, recent: float) -> float:
+        """Vegas's estimate of the uses queued when the recent round trip is ``recent``."""
         return self.cwnd * (1.0 - self.base_rtt / recent) if recent > 0 else 0.0
 
     def expired(self, now: float, count: int = 1, burst: bool = False) -> None:

@@ -413,24 +413,23 @@ class Transport:
         # there, not at the send (pacing.py, "Probing"); until then only the oldest open use is timed.
         heard_since = np.full(count, math.inf)
 
-        def deadlines(base: int, nxt: int, now: float, early_only: bool = False) -> np.ndarray:
-            """When each use of base..nxt-1 is due to be resent: its timeout (window_rto) after the path
-            was next heard from after its send (the oldest: after its send, if nothing was heard), or
-            sooner, for a use sent before a use already answered: that use's round trip plus a
-            reordering margin."""
+        def deadlines(base: int, nxt: int, now: float) -> tuple[np.ndarray, np.ndarray]:
+            """When each use of base..nxt-1 is due to be resent, two ways: by its timeout (window_rto)
+            after the path was next heard from after its send (the oldest: after its send, if nothing was
+            heard); and, for a use sent before a use already answered, by that use's round trip plus a
+            reordering margin (RACK; infinite for the others). It is due at the earlier of the two."""
             at = sent_at[base:nxt]
             start = at
             if early and self.pacer.rtt is not None and at.size:
                 start = heard_since[base:nxt].copy()
                 if start[0] == math.inf:  # the oldest probes a silent path
                     start[0] = at[0]
-            due_at = start + self.pacer.window_rto(tries[base:nxt], silent=now - last_answer)
-            if early_only:
-                due_at = np.full(at.size, math.inf)
+            timer_at = start + self.pacer.window_rto(tries[base:nxt], silent=now - last_answer)
+            rack_at = np.full(at.size, math.inf)
             if early and rack_use >= 0:
                 before = (at < rack_sent) | ((at == rack_sent) & (np.arange(base, nxt) < rack_use))
-                due_at = np.where(before, np.minimum(due_at, at + rack_rtt + self.pacer.reorder_margin()), due_at)
-            return due_at
+                rack_at[before] = at[before] + rack_rtt + self.pacer.reorder_margin()
+            return timer_at, rack_at
 
         def room(base: int, nxt: int) -> int:
             """Uses that may start now: open uses (sent, unanswered, resent or not) stay within the
@@ -458,10 +457,10 @@ class Transport:
             sent_at[nxt:nxt + n] = now
             nxt += n
             # Resend or give up what is due (each resend backs that use's timeout off, see pacing.py).
-            due = base + np.flatnonzero(~done[base:nxt] & (deadlines(base, nxt, now) <= now))
-            if due.size and early:  # how many of them only the later answers showed lost (RACK)
-                self.stats.early_retransmissions += int(np.count_nonzero(
-                    deadlines(base, nxt, now, early_only=True)[due - base] <= now))
+            timer_at, rack_at = deadlines(base, nxt, now)
+            due = base + np.flatnonzero(~done[base:nxt] & (np.minimum(timer_at, rack_at) <= now))
+            # how many of them the later answers showed lost (RACK)
+            self.stats.early_retransmissions += int(np.count_nonzero(rack_at[due - base] <= now))
             if due.size and paced:
                 burst = extend_loss_runs(runs, due[tries[due] == 0], self.pacer.burst_run())
                 self.pacer.expired(now, int(due.size), burst=burst)
@@ -485,7 +484,7 @@ class Transport:
                 base += 1
             if base >= count or room(base, nxt):
                 continue
-            due_at = deadlines(base, nxt, now)[~done[base:nxt]]
+            due_at = np.minimum(*deadlines(base, nxt, now))[~done[base:nxt]]
             wait = max(0.0, float(due_at.min()) - now) if due_at.size else 0.0
             waited = time.monotonic()
             ready, _, _ = select.select(self.socks, [], [], max(wait, 0.0005))
