@@ -12,10 +12,14 @@ that routes to the rendezvous host, or pass ``--aggregator HOST:PORT`` of a runn
 
 ``--compression none`` is ordinary DDP (the process group's all_reduce); ``thc`` and
 ``uncompressed`` (int32 fixed point through the aggregator's uncompressed job type) register the
-hook of ``worker_lib.ddp``. The task is a synthetic regression (a fixed random teacher network;
-each rank draws its own batches), so it needs no data set. At the end rank 0 prints the final
-loss (mean over ranks) and whether all ranks hold identical parameters; ``--json-out`` writes the
-losses, step times, where the time went, and the hook's counters.
+hook of ``worker_lib.ddp``. The default task is a synthetic regression (a fixed random teacher
+network; each rank draws its own batches), so it needs no data set. ``--task mnist`` (or
+``digits``) trains a small CNN (an MLP for digits) on a bundled data set instead, each rank on its
+own shard, and rank 0 measures the test accuracy every ``--eval-every`` steps (outside the timed
+steps: ``benchmarks/time_to_accuracy.py`` plots it against the training time). At the end rank 0
+prints the final loss (mean over ranks) and whether all ranks hold identical parameters;
+``--json-out`` writes the losses, step times, accuracies, where the time went, and the hook's
+counters.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from launchers.aggregator_process import local_aggregator
+from sim.data import DATASETS, Dataset, load_dataset, shard_indices
+from sim.models import make_model as make_classifier
+from worker_lib.cli.args import int_in
 from worker_lib.ddp import AggregatorUnreachable, DDPHookConfig, THCHookState, register_thc_hook
 from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig
 
@@ -81,7 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-error-feedback", action="store_true", help="disable THC's error feedback")
     p.add_argument("--no-overlap", action="store_true", help="exchange inside the hook, not on a thread")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
-    p.add_argument("--width", type=int, default=64, help="hidden layer width of the MLP")
+    p.add_argument("--task", choices=("regression", *DATASETS), default="regression",
+                   help="regression: synthetic MLP regression; mnist / digits: classification of a bundled "
+                        "data set (a CNN for mnist, an MLP for digits), rank r training on shard r")
+    p.add_argument("--eval-every", type=int_in(0, 10**9), default=0,
+                   help="mnist/digits: rank 0 measures the test accuracy every N steps (0: after the last)")
+    p.add_argument("--width", type=int, default=64,
+                   help="hidden layer width of the MLP (mnist: of the CNN's fully connected layer)")
     p.add_argument("--layers", type=int, default=2, help="hidden layers of the MLP")
     p.add_argument("--in-features", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=32, help="samples per rank and step")
@@ -100,8 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_model(args: argparse.Namespace) -> nn.Module:
-    """An MLP; the same seed on every rank (DDP broadcasts rank 0's parameters anyway)."""
+def make_model(args: argparse.Namespace, data: Dataset | None = None) -> nn.Module:
+    """The regression MLP, or ``data``'s classifier; the same seed on every rank (DDP broadcasts rank 0's
+    parameters anyway)."""
+    if data is not None:
+        return make_classifier(data.image_shape, data.classes, seed=args.seed, hidden=args.width)
     torch.manual_seed(args.seed)
     layers: list[nn.Module] = []
     width = args.in_features
@@ -123,6 +139,27 @@ def batch(args: argparse.Namespace, w: torch.Tensor, rank: int, step: int) -> tu
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 65_537 + step)
     x = torch.randn(args.batch_size, args.in_features, generator=g)
     return x, torch.tanh(x @ w).sum(1, keepdim=True)
+
+
+def class_batch(args: argparse.Namespace, data: Dataset, shard: torch.Tensor, step: int) -> tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
+    """Rank's batch of a step from its shard: epochs of the shard in an order drawn from the seed and
+    the epoch (deterministic per rank and step)."""
+    per_epoch = max(1, shard.numel() // args.batch_size)
+    epoch, k = divmod(step, per_epoch)
+    order = torch.randperm(shard.numel(), generator=torch.Generator().manual_seed(args.seed * 7919 + epoch))
+    rows = shard[order[k * args.batch_size:(k + 1) * args.batch_size]]
+    return data.train_x[rows], data.train_y[rows]
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, data: Dataset, device: torch.device, dtype: torch.dtype) -> float:
+    """Share of ``data``'s test images that ``model`` classifies correctly."""
+    was = model.training
+    model.eval()
+    pred = model(data.test_x.to(device, dtype)).argmax(1).cpu()
+    model.train(was)
+    return float((pred == data.test_y).float().mean())
 
 
 def params_digest(model: nn.Module) -> str:
@@ -196,7 +233,9 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_world: int, devi
     summary: dict = {}
     with contextlib.ExitStack() as stack:
         dtype = _DTYPES[args.dtype]
-        model = make_model(args).to(device=device, dtype=dtype)
+        data = None if args.task == "regression" else load_dataset(args.task, seed=args.seed)
+        shard = None if data is None else torch.as_tensor(shard_indices(len(data.train_y), world, args.seed)[rank])
+        model = make_model(args, data).to(device=device, dtype=dtype)
         ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
         state: THCHookState | None = None
         if args.compression != "none":
@@ -208,15 +247,22 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_world: int, devi
         w = teacher(args)
         losses: list[float] = []
         identical_steps: list[bool] = []
+        accuracies: list[tuple[int, float, float]] = []  # (steps done, training seconds so far, test accuracy)
+        clock = 0.0  # seconds spent in training steps, warm-up included (evaluations excluded)
         times = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0, "step_s": 0.0}
         timed = 0
         base: dict[str, float] = {}
         for step in range(args.steps):
             if step == args.warmup and state is not None:
                 base = state.stats.as_dict()  # the hook's counters before the timed steps
-            x, y = batch(args, w, rank, step)
+            if data is None:
+                x, y = batch(args, w, rank, step)
+            else:
+                x, y = class_batch(args, data, shard, step)
             t0 = time.perf_counter()
-            loss = nn.functional.mse_loss(ddp(x.to(device, dtype)).float(), y.to(device))
+            out = ddp(x.to(device, dtype)).float()
+            loss = nn.functional.mse_loss(out, y.to(device)) if data is None else \
+                nn.functional.cross_entropy(out, y.to(device))
             t1 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             loss.backward()  # waits for every bucket's future (the hook's exchange)
@@ -225,11 +271,17 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_world: int, devi
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t3 = time.perf_counter()
+            clock += t3 - t0
             if step >= args.warmup:
                 timed += 1
                 for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0), strict=True):
                     times[k] += v
             losses.append(float(loss.detach()))
+            last = step + 1 == args.steps
+            if data is not None and (last or (args.eval_every and (step + 1) % args.eval_every == 0)):
+                if rank == 0:
+                    accuracies.append((step + 1, clock, accuracy(model, data, device, dtype)))
+                dist.barrier()  # the others wait here, not inside the next step's timed exchange
             if args.check_every_step:
                 digests: list[str | None] = [None] * world
                 dist.all_gather_object(digests, params_digest(model))
@@ -250,7 +302,8 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_world: int, devi
         if rank == 0:
             mean_losses = [sum(ls[s] for ls in all_losses) / world for s in range(args.steps)]  # type: ignore[index]
             summary = {
-                "compression": args.compression, "world_size": world, "steps": args.steps, "dtype": args.dtype,
+                "compression": args.compression, "task": args.task, "accuracy": accuracies, "world_size": world,
+                "steps": args.steps, "dtype": args.dtype,
                 "parameters": sum(p.numel() for p in model.parameters()), "losses": mean_losses,
                 "final_loss": mean_losses[-1] if mean_losses else float("nan"),
                 "identical": len(set(digests)) == 1, "identical_every_step": identical_steps,

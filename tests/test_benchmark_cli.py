@@ -68,6 +68,13 @@ CASES = [
     ("ddp_netem", ["--timeout", "0"], "--timeout: must be in 0.0001..60, got 0"),
     ("ddp_netem", ["--width", "0"], "--width: must be in 1..16384, got 0"),
     ("ddp_netem", ["--json", "/nonexistent/rows.json"], "--json: expected a file in an existing folder"),
+    # benchmarks.time_to_accuracy
+    ("time_to_accuracy", ["--workers", "5"], "--workers: must be in 2..4, got 5"),
+    ("time_to_accuracy", ["--target", "2"], "--target: must be in 0.01..1, got 2"),
+    ("time_to_accuracy", ["--modes", "thc,bogus"], "--modes: unknown mode 'bogus'"),
+    ("time_to_accuracy", ["--eval-every", "0"], "--eval-every: must be in 1..1000000, got 0"),
+    ("time_to_accuracy", ["--csv", "/nonexistent/a.csv"], "--csv: expected a file in an existing folder"),
+    ("time_to_accuracy", ["--mtu", "100"], "--mtu: must be in 576..9000, got 100"),
     # benchmarks.engine
     ("engine", ["--batches", "0"], "--batches: must be in 1..1000000, got 0"),
     # benchmarks.soak

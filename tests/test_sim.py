@@ -9,6 +9,7 @@ import torch
 from sim.cli import main as sim_main
 from sim.data import load_dataset
 from sim.experiments import Options, nmse_experiment
+from sim.models import make_model
 from sim.training import SimConfig, run
 
 DATA = load_dataset("digits", seed=0)
@@ -77,6 +78,18 @@ def test_bad_configuration():
         SimConfig(workers=4, stragglers=4)
     with pytest.raises(ValueError, match="compression='thc'"):
         SimConfig(compression="none", drop_up=0.1)
+
+
+def test_cnn_hidden_layer_sets_the_parameter_count():
+    """A hidden fully connected layer of H units between the CNN's features (16 x 7 x 7 on 28x28 images)
+    and the classifier; without one, the CNN as before. Counts worked out by hand per layer."""
+    conv = (1 * 8 * 25 + 8) + (8 * 16 * 25 + 16)
+    n = sum(p.numel() for p in make_model((1, 28, 28), 10, seed=0, hidden=32).parameters())
+    assert n == conv + (784 * 32 + 32) + (32 * 10 + 10)
+    assert sum(p.numel() for p in make_model((1, 28, 28), 10, seed=0).parameters()) == conv + 784 * 10 + 10
+    assert sum(p.numel() for p in make_model((1, 8, 8), 10, seed=0, hidden=16).parameters()) == 64 * 16 + 16 + 170
+    with pytest.raises(ValueError, match="hidden must be a positive width"):
+        make_model((1, 28, 28), 10, seed=0, hidden=0)
 
 
 def test_nmse_experiment_uses_the_bench_code():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import select
 import socket
 import threading
@@ -508,10 +509,11 @@ def test_a_late_peer_costs_one_probe_per_timeout() -> None:
 
 
 @contextlib.contextmanager
-def delaying_relay(target: int, delay: float, capacity: int | None = None) -> Iterator[int]:
+def delaying_relay(target: int, delay: float, capacity: int | None = None, interval: float = 0.0) -> Iterator[int]:
     """A UDP relay on loopback that holds every worker->aggregator datagram ``delay`` seconds (a queue
-    behind a slow link; beyond ``capacity`` held datagrams it drops, as a full queue does) and passes
-    answers straight back; yields its port."""
+    behind a slow link; beyond ``capacity`` held datagrams it drops, as a full queue does), passes them
+    on at most one per ``interval`` seconds, in order (a link's serialisation), and passes answers
+    straight back; yields its port."""
     front = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     back = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     for s in (front, back):
@@ -522,6 +524,7 @@ def delaying_relay(target: int, delay: float, capacity: int | None = None) -> It
     def run() -> None:
         held: list[tuple[float, bytes]] = []
         client = None
+        last = -math.inf  # when the latest held datagram leaves
         while not stop.is_set():
             now = time.monotonic()
             while held and held[0][0] <= now:
@@ -535,7 +538,8 @@ def delaying_relay(target: int, delay: float, capacity: int | None = None) -> It
                         if s is front:
                             client = addr
                             if capacity is None or len(held) < capacity:
-                                held.append((time.monotonic() + delay, data))
+                                last = max(time.monotonic() + delay, last + interval)
+                                held.append((last, data))
                         elif client is not None:
                             front.sendto(data, client)
 
@@ -566,6 +570,23 @@ def test_adaptive_timeout_stops_spurious_retransmissions() -> None:
             retx[adaptive] = tr.stats.retransmissions
     assert retx[False] >= 64 * 2, retx
     assert retx[True] < retx[False] / 4, retx
+
+
+def test_a_window_queued_behind_a_slow_link_is_not_resent() -> None:
+    """A link that passes one request per 2 ms, and a window of 32 uses sent at once: the k-th use of the
+    first burst waits k x 2 ms, and later uses about 64 ms each, past a timeout learnt from the burst's
+    early, fast answers (3 x the lower quartile of 2..64 ms). Each use's timer starts again whenever a
+    use sent before it is answered (the queue ahead of it moves), so nothing is resent; timed once from
+    the first answer after its send, the 256 uses took 2,733 resends (which queued as well). Exact."""
+    cfg = JobConfig(workers=1, slots=32, elems=K)
+    idx = np.random.default_rng(6).integers(0, 16, 256 * K).astype(np.uint8)
+    with serving(cfg) as srv, delaying_relay(srv.port, 0.0, interval=0.002) as port, \
+            Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=0.2,
+                                      congestion_control=False, gso=False)) as tr:
+        res = tr.exchange_indices(idx)
+    assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
+    assert tr.pacer.rtt is not None and tr.pacer.base_rto() < 0.2  # it learnt a timeout below the first
+    assert tr.stats.retransmissions <= 2, tr.stats.retransmissions
 
 
 @pytest.mark.parametrize("policy", ["reliable", "zero-fill"])

@@ -71,7 +71,15 @@ encoding first waits for the others, and each of its timeouts resent its whole w
 the send, the first answer after the wait would also make the whole window due at once, its answers
 already on their way), as would the next oldest, timed from its send, once the oldest is answered.
 One probe per timeout is what TCP does too: it resends only its first segment when its timer expires
-(``test_a_late_peer_costs_one_probe_per_timeout``).
+(``test_a_late_peer_costs_one_probe_per_timeout``). And as TCP restarts its timer at every ACK, the
+timer of a use not yet resent starts again whenever a use sent no later than it is answered: the queue
+ahead of it moves, so it is not late (a use sent later and answered first shows it lost: RACK). Timed
+from the first answer after its send alone, the last uses of a window sent in one burst into a slow
+link's queue expired while the queue drained, their round trips up to a window's serialisation longer
+than those of the early uses that set the timeout, and each resend queued as well: on a 100 Mbit/s
+link a lossless DDP step resent 250 to 700 of its 1,600 uses, and the aggregator answered each again
+from its retained result on the link that was the bottleneck
+(``test_a_window_queued_behind_a_slow_link_is_not_resent``).
 Not before the first round trip is measured, though: then the first timeout is a guess, and the
 expiry of a whole first window that overflowed a queue is what cuts the window before slow start
 overflows it again and again (``test_congestion_window_backs_off_a_full_queue``).

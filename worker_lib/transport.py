@@ -489,6 +489,7 @@ class Transport:
             waited = time.monotonic()
             ready, _, _ = select.select(self.socks, [], [], max(wait, 0.0005))
             heard = last_answer
+            progress = math.inf  # the earliest (last) send of a use answered now
             if nxt < count:  # blocked from sending: by the slots or by the window
                 waited = time.monotonic() - waited
                 if nxt - base >= p.slots:
@@ -527,6 +528,7 @@ class Transport:
                         self.stats.unexpected += 1
                     elif verdict:
                         done[i] = True
+                        progress = min(progress, sent_at[i])
                         if paced:
                             if tries[i] == 0:
                                 self.pacer.sample(last_answer - sent_at[i])
@@ -540,7 +542,10 @@ class Transport:
                             self.stats.multicast_results += 1
             if last_answer > heard:  # the path spoke: the timers of the uses sent before start now
                 since = heard_since[base:nxt]
-                since[(since == math.inf) & (sent_at[base:nxt] < last_answer)] = last_answer
+                at = sent_at[base:nxt]
+                since[(since == math.inf) & (at < last_answer)] = last_answer
+                if early:  # and those of uses first sent after a use answered now start again (pacing.py)
+                    since[(at >= progress) & (tries[base:nxt] == 0)] = last_answer
         return lost
 
     def _finish_lost(self, i: int, slot: int, tensor: int, done: np.ndarray, lost: np.ndarray,
