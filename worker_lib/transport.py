@@ -415,8 +415,9 @@ class Transport:
 
         def deadlines(base: int, nxt: int, now: float) -> tuple[np.ndarray, np.ndarray]:
             """When each use of base..nxt-1 is due to be resent, two ways: by its timeout (window_rto)
-            after the path was next heard from after its send (the oldest: after its send, if nothing was
-            heard); and, for a use sent before a use already answered, by that use's round trip plus a
+            after the path was next heard from after its send, or after the latest answer of a use sent
+            no later than it if it was not resent (the oldest: after its send, if nothing was heard);
+            and, for a use sent before a use already answered, by that use's round trip plus a
             reordering margin (RACK; infinite for the others). It is due at the earlier of the two."""
             at = sent_at[base:nxt]
             start = at
