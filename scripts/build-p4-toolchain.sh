@@ -11,8 +11,13 @@
 #
 # Each *_SRC, when given, must be a checkout of the version below with its git submodules. A stage whose
 # tool is already installed is skipped (FORCE=1 rebuilds everything); a stage that fails prints the end of
-# its log (under $WORK/logs) and stops. The Tofino back end (bf-p4c) and P4Testgen need p4c HEAD with
-# Abseil, protobuf 25 and z3: not built here.
+# its log (under $WORK/logs) and stops.
+#
+# --with-testgen (or WITH_TESTGEN=1) also builds P4Testgen (p4testgen, its bmv2 target) from the same p4c
+# sources, for python -m p4gen.testgen: about 40 more minutes. It needs z3 4.8.14..4.11 (Debian 12 has
+# 4.8.12: the z3 library and headers are taken from PyPI's z3-solver 4.11.2.0 wheel, pip download) and
+# the inja template library at the commit p4c pins (INJA_SRC, or cloned). The Tofino back end (bf-p4c)
+# and P4Testgen's tofino target need p4c HEAD with Abseil, protobuf 25: not built here.
 set -euo pipefail
 
 # ---- versions, pinned in one place ---------------------------------------------------------------
@@ -21,6 +26,8 @@ BMV2_TAG=1.15.5
 P4C_TAG=v1.2.4.8
 P4RUNTIME_COMMIT=1e771c4e05c4e7e250df00212b3ca02ee3202d71  # what p4c v1.2.4.8 fetches (CMakeLists.txt)
 TNA_COMMIT=34b86e9bac  # a p4c commit whose backends/tofino holds tna.p4 (for p4test on the Tofino program)
+INJA_COMMIT=3741c73ba78babd2ed88f2acf2fcd6dafdb878e8  # what p4c v1.2.4.8's testgen fetches
+Z3_WHEEL=z3-solver==4.11.2.0  # the z3 p4c v1.2.4.8's P4Testgen is written for (it accepts 4.8.14..4.11)
 
 PREFIX=${PREFIX:-/usr/local}
 JOBS=${JOBS:-$(nproc)}
@@ -28,6 +35,13 @@ WORK=${WORK:-/opt/p4build}
 mkdir -p "$WORK/src" "$WORK/logs"
 
 FORCE=${FORCE:-0}
+WITH_TESTGEN=${WITH_TESTGEN:-0}
+for arg in "$@"; do
+    case $arg in
+        --with-testgen) WITH_TESTGEN=1 ;;
+        *) echo "build-p4-toolchain: unknown argument $arg (the only one is --with-testgen)" >&2; exit 2 ;;
+    esac
+done
 
 log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
@@ -140,6 +154,41 @@ install_tna_includes() {
     git -C "$src" archive "$TNA_COMMIT" "$sub" | tar -x -C "$dir" --strip-components=4
 }
 
+# z3 for P4Testgen from the z3-solver wheel: its libz3.so into $PREFIX/lib, its headers into $WORK/z3.
+install_z3() {
+    local wheel_dir="$WORK/z3-wheel"
+    command -v pip3 > /dev/null || command -v pip > /dev/null || {
+        echo "build-p4-toolchain: P4Testgen needs pip (python3-pip) to fetch $Z3_WHEEL" >&2; return 1; }
+    rm -rf "$wheel_dir" && mkdir -p "$wheel_dir"
+    "$(command -v pip3 || command -v pip)" download -q --no-deps -d "$wheel_dir" "$Z3_WHEEL"
+    (cd "$wheel_dir" && python3 -m zipfile -e ./*.whl unpacked)
+    mkdir -p "$WORK/z3" "$PREFIX/lib"
+    rm -rf "$WORK/z3/include" && cp -r "$wheel_dir/unpacked/z3/include" "$WORK/z3/include"
+    cp "$wheel_dir"/unpacked/z3/lib/libz3.so* "$PREFIX/lib/"
+    ldconfig
+}
+
+build_testgen() {
+    local src=$1 p4runtime=$2 inja
+    if have p4testgen; then
+        log "P4Testgen: p4testgen installed, skipped"
+        return
+    fi
+    inja=$(source_dir inja "${INJA_SRC:-}" https://github.com/pantor/inja.git "$INJA_COMMIT")
+    log "P4Testgen (p4c $P4C_TAG, bmv2 target) in $src/build-testgen"
+    stage "z3 for P4Testgen" z3.log install_z3
+    mkdir -p "$src/build-testgen"
+    stage P4Testgen testgen.log bash -c "cd '$src/build-testgen' && cmake .. -DCMAKE_BUILD_TYPE=Release \
+        -DENABLE_GTESTS=OFF -DENABLE_EBPF=OFF -DENABLE_UBPF=OFF -DENABLE_DPDK=OFF -DENABLE_P4TC=OFF \
+        -DENABLE_P4C_GRAPHS=OFF -DENABLE_DOCS=OFF -DENABLE_BMV2=OFF \
+        -DP4C_USE_PREINSTALLED_PROTOBUF=ON -DENABLE_PROTOBUF_STATIC=OFF \
+        -DFETCHCONTENT_SOURCE_DIR_P4RUNTIME='$p4runtime' -DFETCHCONTENT_SOURCE_DIR_INJA='$inja' \
+        -DENABLE_TEST_TOOLS=ON -DENABLE_TOOLS_TARGET_EBPF=OFF -DENABLE_TOOLS_TARGET_PNA=OFF \
+        -DTOOLS_USE_PREINSTALLED_Z3=ON -DZ3_INCLUDE_DIR='$WORK/z3/include' -DZ3_LIBRARY='$PREFIX/lib/libz3.so' \
+        && make -j$JOBS p4testgen \
+        && install -m 755 backends/p4tools/modules/testgen/p4testgen '$PREFIX/bin/p4testgen'"
+}
+
 main() {
     log "packages"
     stage "installing the distribution's packages" apt.log install_packages
@@ -152,7 +201,11 @@ main() {
     build_bmv2 "$bmv2"
     build_p4c "$p4c" "$p4runtime"
     install_tna_includes "$p4c"
-    log "done: $(command -v simple_switch_grpc) $(command -v p4c-bm2-ss) $(command -v p4test)"
+    if [ "$WITH_TESTGEN" = 1 ]; then
+        build_testgen "$p4c" "$p4runtime"
+    fi
+    log "done: $(command -v simple_switch_grpc) $(command -v p4c-bm2-ss) $(command -v p4test)" \
+        "$( [ "$WITH_TESTGEN" = 1 ] && command -v p4testgen)"
 }
 
 main "$@"

@@ -37,6 +37,12 @@
 
 #include "thc_common.p4"
 
+#ifdef THC_P4TESTGEN
+// Only when P4Testgen explores the program (python -m p4gen.testgen defines THC_P4TESTGEN): its
+// assumption extern, which keeps the table entries it invents to those the control plane writes.
+extern void testgen_assume(in bool assumption);
+#endif
+
 // ---- compile-time configuration (generated) ----
 const bit<32> THC_K = 32;              // elements per packet
 const bit<16> THC_K16 = 32;
@@ -227,6 +233,12 @@ control ThcValidate(in thc_headers_t hdr, inout thc_metadata_t meta) {
         meta.job_hit = 0;
         meta.valid = 0;
         bit<16> ulen = hdr.udp.length;
+        // A negative, NaN or infinite norm; read only where the norm word was parsed (a DATA packet has
+        // none, and P4Testgen taints a read of an invalid header even behind a false &&).
+        bool norm_bad = false;
+        if (hdr.norm.isValid()) {
+            norm_bad = hdr.norm.value[31:31] == 1 || hdr.norm.value[30:23] == 0xFF;
+        }
         if (!hdr.thc.isValid() || ulen < UDP_HEADER_BYTES + THC_HEADER_BYTES) {
             thc_stats.count(THC_CTR_SHORT);
         } else if (hdr.thc.version != THC_VERSION) {
@@ -235,6 +247,19 @@ control ThcValidate(in thc_headers_t hdr, inout thc_metadata_t meta) {
             thc_stats.count(THC_CTR_BAD_TYPE);
         } else {
             thc_jobs.apply();
+#ifdef THC_P4TESTGEN
+            // The job entries aggregator/switch/entries.py writes: a generation other than 0, 1 <= threshold
+            // <= workers <= THC_MAX_WORKERS, the job's slots inside the register arrays, its row below
+            // THC_JOBS and its multicast group row + 1.
+            if (meta.job_hit == 1) {
+                testgen_assume(meta.job_gen != 0 && meta.job_workers >= 1
+                               && (bit<32>)meta.job_workers <= THC_MAX_WORKERS && meta.job_threshold >= 1
+                               && meta.job_threshold <= meta.job_workers && meta.job_slots >= 1
+                               && meta.job_slot_base < THC_SLOTS
+                               && (bit<32>)meta.job_slots <= THC_SLOTS - meta.job_slot_base
+                               && (bit<32>)meta.job_index < THC_JOBS && meta.job_mcast_grp == meta.job_index + 1);
+            }
+#endif
             if (meta.job_hit == 0) {
                 thc_stats.count(THC_CTR_UNKNOWN_JOB);
             } else if (hdr.thc.key_ != meta.job_key) {
@@ -252,8 +277,7 @@ control ThcValidate(in thc_headers_t hdr, inout thc_metadata_t meta) {
             } else if (hdr.thc.type_ == THC_TYPE_NORM && !(hdr.norm.isValid() && hdr.thc.elems == 1
                        && hdr.thc.width == 32 && ulen == UDP_HEADER_BYTES + THC_HEADER_BYTES + 4)) {
                 thc_stats.count(THC_CTR_BAD_FORMAT);
-            } else if (hdr.thc.type_ == THC_TYPE_NORM && (hdr.norm.value[31:31] == 1
-                       || hdr.norm.value[30:23] == 0xFF)) {
+            } else if (hdr.thc.type_ == THC_TYPE_NORM && norm_bad) {
                 thc_stats.count(THC_CTR_BAD_NORM);
             } else {
                 meta.valid = 1;
@@ -341,8 +365,10 @@ control ThcStateTable(in thc_headers_t hdr, inout thc_metadata_t meta) {
                 // ACTIVE, new contributor.
                 bmap = bmap | wbit;
                 bcount = bcount + 1;
-                if (t == THC_TYPE_NORM && hdr.norm.value > bnorm) {
-                    bnorm = hdr.norm.value;
+                if (t == THC_TYPE_NORM) {  // nested: no read of the norm word of a DATA packet
+                    if (hdr.norm.value > bnorm) {
+                        bnorm = hdr.norm.value;
+                    }
                 }
                 meta.keep = THC_RESULT_ONES;
                 meta.add = THC_RESULT_ONES;
