@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "p4testgen" / "bmv2"
 TESTS_FILE = "corpus.stf.gz"  #: every test, each after a "# P4Testgen path N" line (gzip: 1.2 MB of text)
 ELEMS = 8  #: K of the rendered program: 8 element tables instead of 32 (the same ThcElement)
+PORTS = "0:3"  #: ingress and egress ports P4Testgen may pick: the 4 host ports of tests/test_bmv2_dataplane.py's rig
 MAX_PACKET_BITS = 2400  #: input packets up to 300 bytes: every THC format of K = 8 fits, the corpus stays small
 COVERAGE = re.compile(r"Nodes covered: ([0-9.]+) \((\d+)/(\d+)\)")
 TEST = re.compile(r"============ Test (\d+):")
@@ -72,7 +73,7 @@ def generate(exe: str, out: Path, *, seed: int, max_tests: int) -> dict:
         program.write_text(rendered_program())
         cmd = [exe, "--target", "bmv2", "--arch", "v1model", "--std", "p4-16", "-I", str(INCLUDE_DIR),
                "-DTHC_P4TESTGEN", "--test-backend", "STF", "--out-dir", str(tmp / "stf"), "--seed", str(seed),
-               "--max-tests", str(max_tests), "--packet-size-range", f"0:{MAX_PACKET_BITS}",
+               "--max-tests", str(max_tests), "--packet-size-range", f"0:{MAX_PACKET_BITS}", "--port-ranges", PORTS,
                "--track-coverage", "STATEMENTS", "--path-selection", "GREEDY_STATEMENT_SEARCH",
                "--stop-metric", "MAX_NODE_COVERAGE", "--print-coverage", str(program)]
         t0 = time.monotonic()

@@ -369,6 +369,20 @@ def test_load_pushes_p4info_and_json_and_routes(fake_switch, tmp_path) -> None:
     assert _params(svc) == {"switch_mac": 0x020000000100}
 
 
+def test_default_route_omits_its_lpm_field(fake_switch, tmp_path) -> None:
+    """A /0 route matches everything: P4Runtime wants its LPM field left out (simple_switch_grpc refuses a
+    prefix length of 0), the entry otherwise the same."""
+    fake, addr = fake_switch(p4info=None)
+    blob = tmp_path / "thc.json"
+    blob.write_bytes(b"{}")
+    with ThcSwitch(addr) as sw:
+        sw.load(CHECKED_IN_P4INFO, blob)
+        sw.add_route("0.0.0.0/0", "00:00:00:00:00:0b", 2)
+    route = fake.writes[0].updates[0].entity.table_entry
+    assert route.table_id == _p4id("tables", "ipv4_lpm") and len(route.match) == 0
+    assert _params(route) == {"dst_mac": 0x0B, "port": 2}
+
+
 def test_stats_names_counters_and_scales_elements(fake_switch) -> None:
     """Counters come back under the Python aggregator's names; ELEMENTS is packets times K."""
     fake, addr = fake_switch()

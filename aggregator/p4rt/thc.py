@@ -80,6 +80,8 @@ def table_update(idx: P4InfoIndex, entry: LogicalEntry, kind: int = INSERT) -> p
     try:
         for m in entry.match:
             fid, width, _ = idx.match_field(t.name, m.field)
+            if m.prefix_len == 0:  # P4Runtime: a don't-care LPM field is omitted, not given /0 (a default route)
+                continue
             fm = te.match.add(field_id=fid)
             if m.prefix_len is None:
                 fm.exact.value = encode(m.value, width)
