@@ -21,6 +21,14 @@ def _control_address(text: str) -> ControlAddress:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _member(text: str) -> tuple[int, int]:
+    """I/N: member I (0-based) of N aggregators, N in 1..64."""
+    i, sep, n = text.partition("/")
+    if not sep or not i.strip().isdigit() or not n.strip().isdigit() or not 0 <= int(i) < int(n) <= 64:
+        raise argparse.ArgumentTypeError(f"expected I/N with 0 <= I < N <= 64 (member I of N), got {text!r}")
+    return int(i), int(n)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="thc-aggregator",
@@ -35,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=port_number, default=THC_UDP_PORT,
                    help=f"UDP port of shard 0 (shard i uses port+i); 0 picks a free range (default {THC_UDP_PORT})")
     p.add_argument("--shards", type=int_in(1, 64), default=1, help="processes; shard i owns slots s with s mod P == i")
+    p.add_argument("--member", type=_member, default=(0, 1), metavar="I/N",
+                   help="this aggregator is member I of N serving the same jobs (one per machine, each with the "
+                        "same --shards P): its shard i owns slots s with s mod (N*P) == I*P + i; workers list "
+                        "the N aggregators in member order (default 0/1: the only one)")
     p.add_argument("--config", type=Path, help="TOML job file ([[job]] tables), reloaded on SIGHUP")
     p.add_argument("--job", action="append", default=[], metavar="SPEC", help="a job as key=value pairs")
     p.add_argument("--multicast", action="store_true",
@@ -73,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             control = ControlConfig(args.control, token)
         elif args.control_token_file is not None:
             raise ValueError("--control-token-file needs --control")
-        cfg = ServerConfig(host=args.host, port=args.port, shards=args.shards, batch=args.batch,
+        cfg = ServerConfig(host=args.host, port=args.port, shards=args.shards, member=args.member[0],
+                           members=args.member[1], batch=args.batch,
                            multicast=args.multicast, busy_poll=args.busy_poll,
                            stats_interval=args.stats_interval, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, config_path=args.config, jobs=jobs, pcap=args.pcap,
@@ -90,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"threshold={j.threshold}, K={j.elems}, S={j.slots})"
                     for j in server.jobs)
     control = f" control={server.control.address}" if server.control is not None else ""
-    print(f"thc-aggregator listening on {args.host}:{server.port} shards={args.shards}{control} jobs: {ids}",
+    member = f" member={args.member[0]}/{args.member[1]}" if args.member[1] > 1 else ""
+    print(f"thc-aggregator listening on {args.host}:{server.port} shards={args.shards}{member}{control} jobs: {ids}",
           flush=True)
     server.serve()
     print("thc-aggregator stopped", flush=True)

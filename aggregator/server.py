@@ -40,6 +40,11 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 9451
     shards: int = 1
+    #: this server is member ``member`` of ``members`` aggregators serving the same jobs (on other
+    #: machines, each with ``shards`` shards): its shard i owns the slots s with
+    #: s mod (members * shards) == member * shards + i, and the workers list all members in order
+    member: int = 0
+    members: int = 1
     batch: int = 256
     stride: int = DEFAULT_STRIDE
     multicast: bool = False
@@ -59,6 +64,12 @@ class ServerConfig:
             raise ValueError(f"engine must be compiled or numpy, got {self.engine!r}")
         if not 1 <= self.shards <= 64:
             raise ValueError(f"shards must be in 1..64, got {self.shards}")
+        if not 0 <= self.member < self.members <= 64:
+            raise ValueError(f"member must be in 0..members-1 and members in 1..64, got {self.member}/{self.members}")
+
+    def global_shard(self, shard: int) -> tuple[int, int]:
+        """(index, count) of local shard ``shard`` among the shards of all members: the slot partition."""
+        return self.member * self.shards + shard, self.members * self.shards
         if not 1 <= self.batch <= 4096:
             raise ValueError(f"batch must be in 1..4096, got {self.batch}")
         if self.stats_interval < 0:

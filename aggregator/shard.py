@@ -101,11 +101,12 @@ class Shard:
         if cfg.multicast:
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(cfg.host))
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
-        self.agg = Aggregator(shard=shard, shards=cfg.shards, max_batch=cfg.batch, stride=cfg.stride,
+        index, count = cfg.global_shard(shard)
+        self.agg = Aggregator(shard=index, shards=count, max_batch=cfg.batch, stride=cfg.stride,
                               compiled=cfg.engine == "compiled")
         if counters is not None:
             self.agg.counters = counters
-        self.dar = DarAggregator(shard=shard, shards=cfg.shards, stride=cfg.stride)
+        self.dar = DarAggregator(shard=index, shards=count, stride=cfg.stride)
         if dar_counters is not None:
             self.dar.counters = dar_counters
         self.addrs: dict[int, WorkerAddresses] = {}

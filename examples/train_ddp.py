@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 from launchers.aggregator_process import local_aggregator
 from sim.data import DATASETS, Dataset, load_dataset, shard_indices
 from sim.models import make_model as make_classifier
-from worker_lib.cli.args import int_in
+from worker_lib.cli.args import comma_list, host_port, int_in
 from worker_lib.ddp import AggregatorUnreachable, DDPHookConfig, THCHookState, register_thc_hook
 from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig
 
@@ -65,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                "torch.distributed store.")
     p.add_argument("--steps", type=int, default=50, help="training steps")
     p.add_argument("--compression", choices=("none", "thc", "uncompressed"), default="thc")
-    p.add_argument("--aggregator", metavar="HOST:PORT", help="a running thc-aggregator (or switch) to use")
+    p.add_argument("--aggregator", metavar="HOST:PORT", type=comma_list(host_port, "10.0.0.9:9451,10.0.0.10:9451"),
+                   help="a running thc-aggregator (or switch) to use; several, comma-separated, in member order "
+                        "(thc-aggregator --member I/N on each): the job's slots spread over them")
     p.add_argument("--aggregator-host", help="address rank 0's aggregator binds to (default: see epilog)")
     p.add_argument("--bind-host", help="this worker's local address for the aggregator traffic "
                                        "(default: the address that routes to the aggregator)")
@@ -183,19 +185,21 @@ def job_config(args: argparse.Namespace, world: int) -> JobConfig:
                      multicast=args.multicast, mtu=args.mtu)
 
 
-def hook_config(args: argparse.Namespace, job: JobConfig, host: str, port: int) -> DDPHookConfig:
+def hook_config(args: argparse.Namespace, job: JobConfig, members: list[tuple[str, int]]) -> DDPHookConfig:
+    host = members[0][0]
     bind = args.bind_host or ("127.0.0.1" if host.startswith("127.") else route_address(host))
-    return DDPHookConfig(job, aggregator=(host, port), shards=args.shards, loss_policy=args.loss_policy,
+    return DDPHookConfig(job, aggregator=members[0], more_aggregators=tuple(members[1:]), shards=args.shards,
+                         loss_policy=args.loss_policy,
                          timeout=args.timeout, deadline=args.deadline, bind_host=bind,
                          error_feedback=not args.no_error_feedback, overlap=not args.no_overlap, seed=args.seed)
 
 
 def publish_aggregator(args: argparse.Namespace, stack: contextlib.ExitStack, rank: int, world: int,
-                       single_node: bool) -> tuple[str, int]:
-    """Rank 0 starts an aggregator (unless --aggregator) and publishes HOST:PORT through the store."""
+                       single_node: bool) -> list[tuple[str, int]]:
+    """The aggregators serving the job, in member order: --aggregator's, or the one rank 0 starts and
+    publishes as HOST:PORT through the store."""
     if args.aggregator:
-        host, _, port = args.aggregator.rpartition(":")
-        return host, int(port)
+        return list(args.aggregator)
     store = dist.distributed_c10d._get_default_store()  # the rendezvous store torchrun made
     if rank == 0:
         host = args.aggregator_host or ("127.0.0.1" if single_node
@@ -205,7 +209,7 @@ def publish_aggregator(args: argparse.Namespace, stack: contextlib.ExitStack, ra
         store.set(_STORE_KEY, f"{where[0]}:{where[1]}")
     store.wait([_STORE_KEY], timedelta(seconds=120))
     host, _, port = store.get(_STORE_KEY).decode().rpartition(":")
-    return host, int(port)
+    return [(host, int(port))]
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -239,8 +243,8 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_world: int, devi
         ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
         state: THCHookState | None = None
         if args.compression != "none":
-            host, port = publish_aggregator(args, stack, rank, world, single_node=local_world == world)
-            cfg = hook_config(args, job_config(args, world), host, port)
+            members = publish_aggregator(args, stack, rank, world, single_node=local_world == world)
+            cfg = hook_config(args, job_config(args, world), members)
             state = register_thc_hook(ddp, cfg)
             stack.callback(state.close)
         opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)

@@ -55,10 +55,12 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
 
 @contextlib.contextmanager
 def local_aggregator(jobs: Sequence[JobConfig], *, host: str = "127.0.0.1", shards: int = 1,
-                     multicast: bool = False, pcap: Path | None = None,
+                     multicast: bool = False, pcap: Path | None = None, member: tuple[int, int] = (0, 1),
                      timeout: float = 60.0) -> Iterator[tuple[str, int]]:
-    """Run ``thc-aggregator`` serving ``jobs`` on ``host`` (a free port); yields (host, port)."""
-    cmd = [sys.executable, "-m", "aggregator.cli", "--host", host, "--port", "0", "--shards", str(shards)]
+    """Run ``thc-aggregator`` serving ``jobs`` on ``host`` (a free port), as ``member`` (I, N) of the
+    aggregators serving them; yields (host, port)."""
+    cmd = [sys.executable, "-m", "aggregator.cli", "--host", host, "--port", "0", "--shards", str(shards),
+           "--member", f"{member[0]}/{member[1]}"]
     for cfg in jobs:
         cmd += ["--job", job_spec(cfg)]
     if pcap is not None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from aggregator.engine import Aggregator
 from launchers.aggregator_process import die_with_parent, local_aggregator
-from worker_lib.cli.args import float_in, fraction, host_port, int_in
+from worker_lib.cli.args import comma_list, float_in, fraction, host_port, int_in
 from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig, JobConfigError
 from worker_lib.wire.bits import pack_bits
 from worker_lib.wire.layout import PacketType
@@ -34,8 +34,7 @@ class RunSpec:
     """Everything a worker process needs."""
 
     job: JobConfig
-    host: str
-    port: int
+    aggregators: list[tuple[str, int]]  #: the members serving the job, in member order
     shards: int
     dim: int
     steps: int
@@ -70,7 +69,8 @@ def _worker(spec: RunSpec, worker: int, barrier: mp.synchronize.Barrier) -> None
     die_with_parent()
     torch.set_num_threads(1)
     cfg = spec.job
-    tcfg = TransportConfig(cfg, worker=worker, aggregator=(spec.host, spec.port), shards=spec.shards,
+    tcfg = TransportConfig(cfg, worker=worker, aggregator=spec.aggregators[0],
+                           more_aggregators=tuple(spec.aggregators[1:]), shards=spec.shards,
                            loss_policy=spec.loss_policy, timeout=spec.timeout, deadline=spec.deadline,
                            drop_up=spec.drop_up, drop_down=spec.drop_down, seed=spec.seed,
                            multicast=spec.multicast, retries=spec.retries,
@@ -153,9 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int_in(1, 32), default=4, help="worker processes (n, at most 32)")
     p.add_argument("--dim", type=int_in(1, 1 << 31), default=1 << 20, help="coordinates per gradient (default 2^20)")
     p.add_argument("--steps", type=int_in(1, 1 << 20), default=1, help="allreduce steps (error feedback carries over)")
-    p.add_argument("--aggregator", type=host_port, metavar="HOST:PORT",
-                   help="use a running aggregator instead of starting one")
-    p.add_argument("--shards", type=int_in(1, 64), default=1, help="aggregator shards (ports PORT..PORT+P-1)")
+    p.add_argument("--aggregator", type=comma_list(host_port, "10.0.0.1:9451,10.0.0.2:9451"), metavar="HOST:PORT",
+                   help="use a running aggregator instead of starting one; several, comma-separated, in member "
+                        "order: the job's slots spread over them (thc-aggregator --member I/N on each)")
+    p.add_argument("--aggregators", type=int_in(1, 64), default=1,
+                   help="without --aggregator: start this many on loopback, members 0..N-1 of N, the slots "
+                        "spread over them")
+    p.add_argument("--shards", type=int_in(1, 64), default=1,
+                   help="shards of each aggregator (ports PORT..PORT+P-1)")
     p.add_argument("--loss-policy", choices=("reliable", "zero-fill"), default="reliable")
     p.add_argument("--drop-up", type=float_in(0, 0.99), default=0.0,
                    help="simulated loss of worker->aggregator packets")
@@ -196,11 +201,13 @@ def run(args: argparse.Namespace) -> dict:
                     multicast=args.multicast, mtu=args.mtu)
     with tempfile.TemporaryDirectory(prefix="thc-allreduce-") as tmp, contextlib.ExitStack() as stack:
         if args.aggregator:
-            host, port = args.aggregator
+            members = list(args.aggregator)
         else:
-            host, port = stack.enter_context(local_aggregator([job], shards=args.shards, multicast=bool(job.multicast),
-                                                              pcap=args.pcap))
-        spec = RunSpec(job, host, port, args.shards, args.dim, args.steps, args.seed, args.loss_policy,
+            members = [stack.enter_context(local_aggregator(
+                [job], shards=args.shards, multicast=bool(job.multicast), member=(i, args.aggregators),
+                pcap=None if args.pcap is None else args.pcap.with_suffix(f".member{i}{args.pcap.suffix}")
+                if args.aggregators > 1 else args.pcap)) for i in range(args.aggregators)]
+        spec = RunSpec(job, members, args.shards, args.dim, args.steps, args.seed, args.loss_policy,
                        args.drop_up, args.drop_down, args.timeout, args.deadline, tmp, args.multicast, args.retries,
                        args.pcap if args.aggregator else None)
         ctx = mp.get_context("fork")
@@ -224,7 +231,7 @@ def run(args: argparse.Namespace) -> dict:
             raise RuntimeError("worker failed: " + ("; ".join(msgs) or "exit codes "
                                                      + str([pr.exitcode for pr in procs])))
         data = [np.load(Path(tmp) / f"worker{w}.npz") for w in range(args.workers)]
-        return summarize(job, args, data, wall, f"{host}:{port}")
+        return summarize(job, args, data, wall, ",".join(f"{h}:{p}" for h, p in members))
 
 
 def summarize(job: JobConfig, args: argparse.Namespace, data: list, wall: float, where: str) -> dict:
@@ -278,7 +285,10 @@ def summarize(job: JobConfig, args: argparse.Namespace, data: list, wall: float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.aggregator and args.aggregators > 1:
+        ap.error("--aggregators N starts N aggregators; with --aggregator, list the running ones instead")
     try:
         summary = run(args)
     except (JobConfigError, ValueError, RuntimeError) as exc:

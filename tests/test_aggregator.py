@@ -151,6 +151,28 @@ def test_metrics_endpoint() -> None:
     assert 'thc_aggregator_dropped_total{reason="bad_version",shard="0"} 1.0' in text
 
 
+def test_a_member_serves_only_its_share_of_the_slots() -> None:
+    """--member 1/2 --shards 2: of 4 global shards this aggregator holds 2 and 3, so its port + 0 answers
+    slot 2 (2 mod 4) and drops slot 0 (member 0's) as wrong_shard; port + 1 answers slot 3."""
+    cfg = JobConfig(job=8, key=0x88, workers=1, slots=8, elems=K)
+    with aggregator("--job", spec(cfg), "--shards", "2", "--member", "1/2") as (_proc, port):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.settimeout(0.3)
+
+        def norm(slot: int) -> bytes:
+            return Header(type=PacketType.NORM, job=cfg.job, key=cfg.key, table_id=cfg.table_id, worker=0,
+                          slot=slot, round=1, elems=1, width=32).pack(b"\x40\0\0\0")
+
+        s.sendto(norm(0), ("127.0.0.1", port))
+        with pytest.raises(TimeoutError):
+            s.recv(100)
+        for slot, at in ((2, port), (3, port + 1)):
+            s.sendto(norm(slot), ("127.0.0.1", at))
+            hdr, _ = Header.parse(s.recv(100))
+            assert hdr.type == PacketType.NORM_RESULT and hdr.slot == slot
+        s.close()
+
+
 def test_shards_serve_their_slots_exactly() -> None:
     """--shards 2: slot s is served at port base + s mod 2; sums exact; a slot sent to the wrong
     shard is dropped."""
@@ -352,6 +374,8 @@ def test_control_socket_is_private_and_token_checked(tmp_path: Path) -> None:
     (["--port", "-1"], "--port: must be in 0..65535, got -1"),
     (["--port", "http"], "--port: expected an integer, got 'http'"),
     (["--shards", "0"], "--shards: must be in 1..64, got 0"),
+    (["--member", "2/2"], "--member: expected I/N with 0 <= I < N <= 64 (member I of N), got '2/2'"),
+    (["--member", "one"], "--member: expected I/N"),
     (["--port", "65535", "--shards", "2"], "2 shards from UDP port 65535 run past port 65535"),
     (["--batch", "100000"], "--batch: must be in 1..4096"),
     (["--stats-interval", "-1"], "--stats-interval: must be in 0..86400"),

@@ -31,6 +31,17 @@ def test_four_workers_bit_exact() -> None:
     assert s["lost_chunks"] == 0 and s["results"] == 4 * (65536 // 1024 + 1)
 
 
+def test_several_aggregators_share_the_slots() -> None:
+    """Two aggregators (members 0/2 and 1/2, two shards each) serve one job: each slot's packets go to the
+    member and shard that own it; the sums stay exact, also under loss."""
+    s = allreduce("--workers", "3", "--dim", "65536", "--aggregators", "2", "--shards", "2")
+    assert s["exact"] is True and s["consistent_average"] is True and len(s["aggregator"].split(",")) == 2
+    assert s["results"] == 3 * (65536 // 1024 + 1)
+    lossy = allreduce("--workers", "3", "--dim", "32768", "--aggregators", "2", "--drop-up", "0.05",
+                      "--drop-down", "0.05", "--seed", "4")
+    assert lossy["exact"] is True and lossy["dropped_up"] + lossy["dropped_down"] > 0
+
+
 @pytest.mark.parametrize(("up", "down"), [("0.01", "0.01"), ("0.1", "0"), ("0", "0.1")])
 def test_reliable_under_loss(up: str, down: str) -> None:
     """Seeded loss up and down: reliable stays exact; the drops were real and retransmitted."""
@@ -103,6 +114,8 @@ def test_lengths_that_do_not_fill_a_chunk(args: tuple[str, ...]) -> None:
 
 @pytest.mark.parametrize("argv, says", [
     (["--aggregator", "127.0.0.1:70000"], "--aggregator: expected HOST:PORT with a port in 1..65535"),
+    (["--aggregator", "127.0.0.1:9451", "--aggregators", "2"], "--aggregators N starts N aggregators"),
+    (["--aggregators", "0"], "--aggregators: must be in 1..64, got 0"),
     (["--workers", "0"], "--workers: must be in 1..32, got 0"),
     (["--drop-up", "2"], "--drop-up: must be in 0..0.99, got 2"),
     (["--timeout", "-1"], "--timeout: must be in 0.0001..60"),

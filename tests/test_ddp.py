@@ -23,6 +23,7 @@ import torch
 from launchers.aggregator_process import job_spec, listening_port
 from worker_lib.ddp import DDPHookConfig, THCHookState
 from worker_lib.job import JobConfig
+from worker_lib.wire.pcap import read_pcap
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
@@ -115,9 +116,10 @@ def test_classification_task_learns_and_reports_accuracy(tmp_path: Path) -> None
     assert acc[-1] > 0.7, acc
 
 
-def _start_aggregator(*jobs: JobConfig) -> tuple[subprocess.Popen, int]:
-    """thc-aggregator serving ``jobs`` on a free loopback port, in its own process group."""
-    cmd = [sys.executable, "-m", "aggregator.cli", "--port", "0"]
+def _start_aggregator(*jobs: JobConfig, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, int]:
+    """thc-aggregator serving ``jobs`` on a free loopback port (with the options ``extra``), in its own
+    process group."""
+    cmd = [sys.executable, "-m", "aggregator.cli", "--port", "0", *extra]
     for job in jobs:
         cmd += ["--job", job_spec(job)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
@@ -127,6 +129,23 @@ def _start_aggregator(*jobs: JobConfig) -> tuple[subprocess.Popen, int]:
         _kill_group(proc)
         raise RuntimeError(f"thc-aggregator did not start: {line!r}")
     return proc, listening_port(line)
+
+
+def test_two_aggregators_serve_one_job(tmp_path: Path) -> None:
+    """--aggregator A,B: the ranks spread the job's slots over two aggregators (members 0/2 and 1/2);
+    training stays bit-identical on all ranks, and both aggregators carried packets (their pcaps)."""
+    job = JobConfig(job=6, key=0xBEEF, workers=2)
+    pcaps = [tmp_path / f"member{i}.pcap" for i in range(2)]
+    aggs = [_start_aggregator(job, extra=("--member", f"{i}/2", "--pcap", str(pcaps[i]))) for i in range(2)]
+    try:
+        rc, text = torchrun(2, "--steps", "6", "--compression", "thc", "--job-id", "6", "--key", "0xBEEF",
+                            "--check-every-step", "--aggregator", ",".join(f"127.0.0.1:{port}" for _, port in aggs))
+    finally:
+        for agg, _ in aggs:
+            agg.terminate()
+            agg.wait(timeout=30)
+    assert rc == 0 and "identical parameters on all ranks: True" in text, text[-3000:]
+    assert all(len(list(read_pcap(p))) > 20 for p in pcaps)
 
 
 def test_killed_aggregator_fails_clearly(tmp_path: Path) -> None:
@@ -288,6 +307,8 @@ def test_config_validation_and_defaults() -> None:
         DDPHookConfig(loss_policy="maybe")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="port"):
         DDPHookConfig(aggregator=("127.0.0.1", 0))
+    with pytest.raises(ValueError, match=r"port in 1..65535, got \('10.0.0.2', 70000\)"):
+        DDPHookConfig(more_aggregators=(("10.0.0.2", 70000),))
     with pytest.raises(ValueError):
         DDPHookConfig(JobConfig(bits=0))
     job = JobConfig(workers=3)

@@ -6,7 +6,8 @@ tests/test_bmv2_dataplane.py's (four host namespaces on ports 0..3, P4Runtime on
 path gets a fresh pipeline (empty tables, zeroed registers and counters: P4Testgen's starting state),
 its table entries through P4Runtime, and its frame on its ingress port. By default one path per
 distinct outcome (counters, ingress port, output ports) runs, 54 of the corpus's 1,141 paths, 13 s;
-``THC_P4TESTGEN_ALL=1`` runs all of them (about 6 minutes). Needs root, p4c-bm2-ss and
+``THC_P4TESTGEN_ALL=1`` runs all of them (3 minutes here; one path's 13-byte frame cannot be sent
+on a Linux interface and is skipped). Needs root, p4c-bm2-ss and
 simple_switch_grpc; skips naming what is missing.
 """
 
@@ -85,6 +86,8 @@ def rig(tmp_path_factory):
 @pytest.mark.parametrize("case", selected(), ids=lambda c: f"path{c.path}")
 def test_path_on_bmv2(rig: Rig, case: Case) -> None:
     """The path's frame through a fresh pipeline with its entries: P4Testgen's frames and counters."""
+    if len(case.frame) < 14:
+        pytest.skip(f"a {len(case.frame)}-byte frame: Linux sends no frame shorter than an Ethernet header")
     rig.ctl.load(rig.program.p4info, rig.program.json)
     idx = rig.ctl.index
     rig.ctl.client.write([table_update(idx, logical(*e)) for e in case.entries])

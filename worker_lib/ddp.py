@@ -74,8 +74,10 @@ class DDPHookConfig:
     """
 
     job: JobConfig = field(default_factory=JobConfig)
-    aggregator: tuple[str, int] = ("127.0.0.1", 9451)
-    shards: int = 1  #: aggregator shards (ports PORT..PORT+shards-1)
+    aggregator: tuple[str, int] = ("127.0.0.1", 9451)  #: the aggregator (member 0 where several serve the job)
+    #: members 1..N-1 of the aggregators serving the job (thc-aggregator --member I/N), in member order
+    more_aggregators: tuple[tuple[str, int], ...] = ()
+    shards: int = 1  #: shards of each aggregator (ports PORT..PORT+shards-1)
     loss_policy: LossPolicy = "reliable"
     timeout: float = 0.05  #: seconds before a use is retransmitted
     retries: int = 3  #: zero-fill: retransmissions before a chunk is given up
@@ -91,9 +93,9 @@ class DDPHookConfig:
             raise ValueError(f"the job's kind must be 'thc' or 'uncompressed' for the DDP hook, got {self.job.kind!r}")
         if self.loss_policy not in ("reliable", "zero-fill"):
             raise ValueError(f"loss_policy must be 'reliable' or 'zero-fill', got {self.loss_policy!r}")
-        host, port = self.aggregator
-        if not host or not 0 < int(port) < 65536:
-            raise ValueError(f"aggregator must be (host, port) with a port in 1..65535, got {self.aggregator!r}")
+        for host, port in (self.aggregator, *self.more_aggregators):
+            if not host or not 0 < int(port) < 65536:
+                raise ValueError(f"an aggregator must be (host, port) with a port in 1..65535, got {(host, port)!r}")
         if self.timeout <= 0 or self.deadline <= 0:
             raise ValueError("timeout and deadline must be positive seconds")
         if self.job.kind == "thc":
@@ -111,6 +113,7 @@ class DDPHookConfig:
                              f"{world_size}: the aggregator would wait for workers that never send "
                              f"(or refuse ranks beyond the job's)")
         return TransportConfig(self.job, worker=rank, aggregator=(self.aggregator[0], int(self.aggregator[1])),
+                               more_aggregators=tuple((h, int(p)) for h, p in self.more_aggregators),
                                shards=self.shards, loss_policy=self.loss_policy, timeout=self.timeout,
                                retries=self.retries, deadline=self.deadline, window=self.window, seed=self.seed,
                                bind_host=self.bind_host, multicast=self.job.multicast)

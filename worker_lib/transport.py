@@ -75,8 +75,10 @@ class TransportConfig:
 
     params: JobConfig  #: the job, as the aggregator is configured with it
     worker: int
-    aggregator: tuple[str, int] = ("127.0.0.1", 9451)
-    shards: int = 1
+    aggregator: tuple[str, int] = ("127.0.0.1", 9451)  #: the aggregator (member 0 where several serve the job)
+    #: members 1..N-1 of the aggregators serving the job (thc-aggregator --member I/N), in member order
+    more_aggregators: tuple[tuple[str, int], ...] = ()
+    shards: int = 1  #: shards of each aggregator (ports PORT..PORT+shards-1)
     loss_policy: LossPolicy = "reliable"
     timeout: float = 0.05  #: seconds before a use is resent until a round trip is measured (zero-fill: always)
     min_timeout: float = 0.002  #: the least adaptive timeout (floor of the measured one; at most ``timeout``)
@@ -118,6 +120,15 @@ class TransportConfig:
             raise ValueError(f"window must be in 1..slots={p.slots}")
         if self.initial_window < 1:
             raise ValueError(f"initial_window must be at least 1, got {self.initial_window}")
+        if len(self.destinations) > 4096:
+            raise ValueError(f"{len(self.destinations)} aggregator shards in all: at most 4096")
+
+    @property
+    def destinations(self) -> list[tuple[str, int]]:
+        """Where each slot goes: slot s to entry s mod len, member by member, shard by shard (the
+        partition thc-aggregator --member I/N --shards P serves)."""
+        return [(host, port + k) for host, port in (self.aggregator, *self.more_aggregators)
+                for k in range(self.shards)]
 
 
 @dataclass
@@ -187,11 +198,11 @@ class Transport:
         self.stats = TransportStats()
         self._rng = np.random.default_rng([cfg.seed, cfg.worker])
         self._rbuf = bytearray(65536)
-        self._dests = [(cfg.aggregator[0], cfg.aggregator[1] + i) for i in range(cfg.shards)]
+        self._dests = cfg.destinations
         self.pcap = PcapWriter(cfg.pcap) if cfg.pcap is not None else None
         # Segmentation offload sends whole runs; the per-datagram paths (simulated loss, pcap, several
         # shards' destinations) keep one datagram per call.
-        self.gso = cfg.gso and gso_available(self.sock) and not (cfg.drop_up or cfg.pcap or cfg.shards > 1)
+        self.gso = cfg.gso and gso_available(self.sock) and not (cfg.drop_up or cfg.pcap or len(self._dests) > 1)
         # zero-fill keeps a fixed timeout and window: its workers must stay in step (see pacing.py)
         adapt = cfg.loss_policy == "reliable"
         self.pacer = Pacer(timeout=cfg.timeout, min_timeout=min(cfg.min_timeout, cfg.timeout),
@@ -476,9 +487,9 @@ class Transport:
                 sent_at[i] = now
                 heard_since[i] = math.inf
             if now - last_answer > cfg.deadline:
-                host, port = cfg.aggregator
+                where = ", ".join(f"{h}:{p}" for h, p in (cfg.aggregator, *cfg.more_aggregators))
                 raise AggregatorUnreachable(
-                    f"worker {cfg.worker}: no answer from the aggregator at {host}:{port} (shards={cfg.shards}) "
+                    f"worker {cfg.worker}: no answer from the aggregator at {where} (shards={cfg.shards}) "
                     f"for {cfg.deadline:.1f} s: is thc-aggregator running there with {what}, and are the job's "
                     f"other workers sending?")
             while base < count and done[base]:
@@ -609,7 +620,7 @@ class Transport:
         if cfg.drop_up and self._rng.random() < cfg.drop_up:
             self.stats.dropped_up += 1
             return
-        dest = self._dests[slot % cfg.shards]
+        dest = self._dests[slot % len(self._dests)]
         try:
             self.sock.sendto(data, dest)
         except BlockingIOError:
