@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from worker_lib.thc import fused
 from worker_lib.thc.hadamard import Backend, RandomizedHadamard
 from worker_lib.thc.quantize import (
     TableQuantizer,
@@ -159,7 +160,14 @@ class THCCodec:
         """Clamp, stochastically quantize and map to table indices an already rotated vector."""
         ws = buffers.ws
         big_m = self.scale(max_norm, rotated.numel())
-        y = to_grid(rotated, -big_m, big_m, self.table.granularity, out=ws.grid)
+        g = self.table.granularity
+        if rotated.device.type == "cpu" and big_m > 0:  # one compiled pass (fused.py), the same arithmetic
+            scale = g / (2 * big_m)  # as to_grid: x * scale + (-low) * scale, each rounded to float32
+            q = self.quantizer
+            fused.quantize_into(rotated.numpy(), np.float32(scale), np.float32(big_m * scale), g, q.slope, q.offset,
+                                self.table.size - 1, np.uint64(self.uniforms.next_key()), ws.indices.numpy())
+            return Encoded(ws.indices, big_m, length, self.table.bits, ws.packed)
+        y = to_grid(rotated, -big_m, big_m, g, out=ws.grid)
         indices = self.quantizer.quantize(y, self.uniforms.fill(ws.uniforms), ws)
         return Encoded(indices, big_m, length, self.table.bits, ws.packed)
 

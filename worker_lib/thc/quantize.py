@@ -3,7 +3,8 @@
 The vectorized kernels here are shared by every THC variant: uniform THC (identity table),
 non-uniform THC (any table) and the training pipeline (Algorithm 3). They run on torch tensors, on CPU
 or GPU unchanged; only the source of uniform random numbers differs (numpy's PCG64 on CPU, which is
-faster there, torch's generator elsewhere).
+faster there, torch's generator elsewhere). On the CPU, THCCodec runs the grid mapping, the uniforms
+and the rounding as one compiled pass instead (``worker_lib.thc.fused``), the same arithmetic.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ class UniformSource:
                 self._torch.seed()
             else:
                 self._torch.manual_seed(seed)
+
+    def next_key(self) -> int:
+        """A 64-bit key for ``fused.quantize_into``'s counter-based uniforms (CPU): the next draw of
+        this source's stream, so that a seed fixes every step's uniforms as ``fill`` does."""
+        return int(self._np.integers(0, 1 << 63, dtype=np.int64))
 
     def fill(self, out: torch.Tensor) -> torch.Tensor:
         """Fill a float32 tensor of this device in place and return it."""
@@ -57,6 +63,8 @@ class TableQuantizer:
         self.values = torch.as_tensor(values.astype(np.int32), device=self.device)
         slope = 1.0 / (values[seg + 1] - values[seg])
         offset = seg - values[seg] * slope
+        #: each grid cell's affine map, float32 arrays (the CPU's compiled path reads them)
+        self.slope, self.offset = slope.astype(np.float32), offset.astype(np.float32)
         # (slope, offset) of each cell, gathered together as one 64-bit word
         pair = np.stack([slope.astype(np.float32), offset.astype(np.float32)], axis=1)
         self._affine = torch.as_tensor(np.ascontiguousarray(pair).view(np.int64).ravel(), device=self.device)

@@ -1,0 +1,61 @@
+"""THC's stochastic quantization on the CPU in one compiled pass (numba).
+
+The torch path (``quantize.to_grid`` then ``TableQuantizer.quantize`` with uniforms from
+``UniformSource.fill``) makes four passes over a 2^20-coordinate vector and draws 2^20 float32 uniforms
+from numpy's PCG64: 3.4 ms of a 6 ms encode on one core. Here one loop maps each rotated coordinate
+onto the grid, finds its table cell, draws its uniform from a counter-based hash of (key, position)
+and writes its index: the same arithmetic in the same
+float32 order as the torch path, so that given the same uniforms both give the same indices
+(``uniforms`` reproduces them, for the tests). With 24-bit uniforms (u = k / 2^24) the rounding
+probabilities are exact to 6e-8.
+
+Why a hash and not a generator: every coordinate's uniform is a pure function of (key, i), so the loop
+carries no state and compiles to straight arithmetic; the key advances the stream from step to step
+(``UniformSource.next_key``). The hash is SplitMix64's finaliser (Steele, Lea and Flood, 2014) over a
+Weyl sequence, whose outputs pass BigCrush.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+_WEYL = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31, _S40 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(40)
+_INV24 = np.float32(1.0 / (1 << 24))
+
+
+@njit(cache=True, inline="always")
+def _uniform(key: np.uint64, i: int) -> np.float32:
+    """Position i's uniform in [0, 1): the top 24 bits of SplitMix64's finaliser at step i + 1."""
+    z = key + np.uint64(i + 1) * _WEYL
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    z = z ^ (z >> _S31)
+    return np.float32(z >> _S40) * _INV24
+
+
+@njit(cache=True, nogil=True)
+def quantize_into(x: np.ndarray, scale: np.float32, shift: np.float32, granularity: int, slope: np.ndarray,
+                  offset: np.ndarray, top: int, key: np.uint64, out: np.ndarray) -> None:
+    """out[i] = the table index of x[i]: y = clamp(x[i] * scale + shift, 0, g) on the grid, its cell
+    c = min(floor(y), g - 1), then min(floor(y * slope[c] + offset[c] + u_i), top) (never negative:
+    y * slope[c] + offset[c] >= c's segment index >= 0). min/max rather than branches: 1.8 ms for 2^20
+    coordinates against 2.5 ms."""
+    g = np.float32(granularity)
+    zero = np.float32(0.0)
+    for i in range(x.size):
+        y = min(max(x[i] * scale + shift, zero), g)
+        c = min(np.intp(y), granularity - 1)
+        out[i] = min(np.intp(y * slope[c] + offset[c] + _uniform(key, i)), top)
+
+
+@njit(cache=True)
+def uniforms(key: np.uint64, n: int) -> np.ndarray:
+    """The uniforms ``quantize_into`` draws for positions 0..n-1 under ``key`` (float32)."""
+    out = np.empty(n, np.float32)
+    for i in range(n):
+        out[i] = _uniform(key, i)
+    return out
