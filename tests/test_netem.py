@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from topologies.netem import NetemConfig, NetemError, Topology, require_root
+from topologies.netem.ddp import ROOT
 
 ROOT_REASON = require_root()
 needs_root = pytest.mark.skipif(ROOT_REASON is not None, reason=f"emulated network: {ROOT_REASON}")
@@ -177,6 +178,43 @@ def test_ddp_across_namespaces_multicast_and_loss(tmp_path: Path) -> None:
     for hook in summary["hook"]:  # results came by multicast; w1's lost packets were retransmitted
         assert hook["transport_multicast_results"] > 0 and hook["lost_chunks"] == 0
     assert summary["hook"][1]["transport_retransmissions"] > 0
+
+
+@needs_root
+def test_two_aggregators_in_two_namespaces_share_a_job() -> None:
+    """Two aggregators on two hosts (the agg namespace, member 0/2, and w2's, member 1/2) serve one job of
+    two workers over 1 Gbit/s links with 2 % loss each way on the workers' links: every worker gets the
+    table sums of both workers' indices for every chunk (a slot sent to the wrong member would be
+    dropped as wrong_shard and its chunk never answered)."""
+    import numpy as np
+
+    from topologies.netem.ddp import job_spec, start_aggregator
+    from topologies.worker import worker_indices
+    from worker_lib.job import JobConfig
+    from worker_lib.thc import lookup_sum
+
+    job = JobConfig(job=4, workers=2, slots=32)
+    chunks = 64
+    cfg = NetemConfig(workers=3, rate_mbit=1000, loss_method="nftables", prefix="thcma",
+                      loss_percent={"w0": 2, "w1": 2})
+    with Topology(cfg) as net:
+        start_aggregator(net, [job], extra=("--member", "0/2"))
+        start_aggregator(net, [job], extra=("--member", "1/2"), node="w2")
+        members = f"{net.address('agg')}:9451,{net.address('w2')}:9451"
+        procs = [net.popen(f"w{w}", [sys.executable, "-m", "topologies.worker", "--job", job_spec(job), "--worker",
+                                     str(w), "--aggregator", members, "--chunks", str(chunks), "--seed", "5",
+                                     "--timeout", "0.05", "--deadline", "30"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                 for w in range(2)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        dropped = sum(net.counters().values())
+    assert [p.returncode for p in procs] == [0, 0], [e[-500:] for _, e in outs]
+    idx = np.stack([worker_indices(5, w, chunks, job.elems, job.bits) for w in range(2)])
+    want = lookup_sum(np.array(job.lookup.values), idx.reshape(2, -1)).reshape(chunks, job.elems)
+    for out, _ in outs:
+        r = json.loads(out)
+        assert np.array_equal(np.array(r["sums"]), want) and not any(r["lost"])
+    assert dropped > 0  # the loss rules dropped frames, and the transport recovered
 
 
 @needs_root

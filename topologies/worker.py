@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from worker_lib.cli.args import comma_list, host_port
 from worker_lib.job import JobConfig, JobConfigError, parse_job_spec
 from worker_lib.transport import AggregatorUnreachable, Transport, TransportConfig
 from worker_lib.wire.layout import THC_UDP_PORT
@@ -40,10 +41,12 @@ def worker_norm(seed: int, worker: int) -> float:
 
 
 def run_worker(cfg: JobConfig, worker: int, aggregator: tuple[str, int], bind: str, chunks: int, seed: int,
-               timeout: float = 0.2, deadline: float = 20.0) -> dict:
-    """Norm stage + ``chunks`` chunks; returns the max norm, sums, contributors, bitmaps, losses, timing."""
-    tcfg = TransportConfig(cfg, worker=worker, aggregator=aggregator, bind_host=bind,
-                           timeout=timeout, deadline=deadline)
+               timeout: float = 0.2, deadline: float = 20.0,
+               more_aggregators: tuple[tuple[str, int], ...] = ()) -> dict:
+    """Norm stage + ``chunks`` chunks; returns the max norm, sums, contributors, bitmaps, losses, timing.
+    ``more_aggregators``: members 1.. where several aggregators share the job's slots."""
+    tcfg = TransportConfig(cfg, worker=worker, aggregator=aggregator, more_aggregators=more_aggregators,
+                           bind_host=bind, timeout=timeout, deadline=deadline)
     idx = worker_indices(seed, worker, chunks, cfg.elems, cfg.bits)
     with Transport(tcfg) as tr:
         t0 = time.perf_counter()
@@ -64,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--job", required=True, help="job spec, key=value pairs as for thc-aggregator --job")
     ap.add_argument("--worker", type=int, required=True, help="this worker's id")
-    ap.add_argument("--aggregator", default=f"10.0.0.100:{THC_UDP_PORT}", help="HOST:PORT of the aggregator")
+    ap.add_argument("--aggregator", default=[("10.0.0.100", THC_UDP_PORT)],
+                    type=comma_list(host_port, "10.0.0.100:9451,10.0.0.101:9451"),
+                    help="HOST:PORT of the aggregator; several, comma-separated, in member order (thc-aggregator "
+                         "--member I/N on each)")
     ap.add_argument("--bind", default="0.0.0.0", help="local address to send from")
     ap.add_argument("--chunks", type=int, default=16, help="chunks of K indices to aggregate")
     ap.add_argument("--seed", type=int, default=0, help="seed of the indices (see worker_indices)")
@@ -77,9 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     try:
         cfg = parse_job_spec(args.job)
-        host, _, port = args.aggregator.rpartition(":")
-        out = run_worker(cfg, args.worker, (host, int(port)), args.bind, args.chunks, args.seed, args.timeout,
-                         args.deadline)
+        out = run_worker(cfg, args.worker, args.aggregator[0], args.bind, args.chunks, args.seed, args.timeout,
+                         args.deadline, more_aggregators=tuple(args.aggregator[1:]))
     except (JobConfigError, AggregatorUnreachable, ValueError, OSError) as exc:
         sys.stderr.write(f"worker {args.worker}: {exc}\n")
         return 1

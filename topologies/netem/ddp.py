@@ -40,19 +40,19 @@ def job_spec(job: JobConfig) -> str:
 
 
 def start_aggregator(net: Topology, jobs: Sequence[JobConfig], *, multicast: bool = False, port: int = 9451,
-                     timeout: float = 60.0, extra: Sequence[str] = ()) -> subprocess.Popen:
-    """``thc-aggregator`` in the ``agg`` namespace on its address (with the options ``extra`` too);
-    returns once it listens (polled, no sleep)."""
-    cmd = [sys.executable, "-m", "aggregator.cli", "--host", net.address("agg"), "--port", str(port), *extra]
+                     timeout: float = 60.0, extra: Sequence[str] = (), node: str = "agg") -> subprocess.Popen:
+    """``thc-aggregator`` in ``node``'s namespace (the ``agg`` node's by default) on its address (with the
+    options ``extra`` too); returns once it listens (polled, no sleep)."""
+    cmd = [sys.executable, "-m", "aggregator.cli", "--host", net.address(node), "--port", str(port), *extra]
     for job in jobs:
         cmd += ["--job", job_spec(job)]
     if multicast:
         cmd.append("--multicast")
-    proc = net.popen("agg", cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = net.popen(node, cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
     line = proc.stdout.readline() if ready and proc.stdout else ""
     if "listening on" not in line:
-        raise NetemError(f"thc-aggregator did not start in the agg namespace: {line.strip()!r}")
+        raise NetemError(f"thc-aggregator did not start in the {node} namespace: {line.strip()!r}")
     return proc
 
 
