@@ -10,6 +10,7 @@ from worker_lib.thc.quantize import (
     TableQuantizer,
     UniformSource,
     Workspace,
+    from_grid,
     lookup_sum,
     pack_indices,
     packed_size,
@@ -150,3 +151,21 @@ def test_compiled_cpu_pass_is_unbiased() -> None:
     gaps = np.diff(np.asarray(table.values, np.float64))
     assert np.all(np.abs(err) <= gaps.max())  # always one of the two neighbouring table values
     assert abs(err.mean()) < 4 * err.std() / np.sqrt(err.size)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_compiled_estimate_is_from_grid_and_checks_the_range(dtype: torch.dtype) -> None:
+    """The CPU's one-pass estimate gives from_grid's float32 values exactly, and refuses sums outside
+    [0, g * count] (one sum one past the top, or negative, anywhere in the vector)."""
+    from worker_lib.thc import fused
+
+    g, count, m = 30, 3, 1.7
+    sums = torch.randint(0, g * count + 1, (5003,), dtype=dtype, generator=torch.Generator().manual_seed(1))
+    out = torch.empty(sums.numel())
+    step = np.float32((2 * m) / (g * count))
+    assert fused.estimate_into(sums.numpy(), g * count, step, np.float32(-m), out.numpy())
+    assert torch.equal(out, from_grid(sums, count, -m, m, g))
+    for bad in (g * count + 1, -1):
+        wrong = sums.clone()
+        wrong[4000] = bad
+        assert not fused.estimate_into(wrong.numpy(), g * count, step, np.float32(-m), out.numpy())

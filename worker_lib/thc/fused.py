@@ -59,3 +59,18 @@ def uniforms(key: np.uint64, n: int) -> np.ndarray:
     for i in range(n):
         out[i] = _uniform(key, i)
     return out
+
+
+@njit(cache=True, nogil=True)
+def estimate_into(sums: np.ndarray, top: int, scale: np.float32, low: np.float32, out: np.ndarray) -> bool:
+    """out[i] = float32(sums[i]) * scale + low (``quantize.from_grid``'s arithmetic, in its order) in one
+    pass; False if a sum lies outside [0, top] (a wrong count or corrupt data: the caller raises; ``out``
+    is then garbage). The range is checked through the pass's min and max, not a branch per sum, so that
+    the loop vectorises."""
+    lo, hi = sums[0], sums[0]
+    for i in range(sums.size):
+        v = sums[i]
+        lo = min(lo, v)
+        hi = max(hi, v)
+        out[i] = np.float32(v) * scale + low
+    return lo >= 0 and hi <= top
