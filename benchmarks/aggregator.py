@@ -5,9 +5,9 @@
    packets, against (a) a raw UDP reflector on the same batched I/O layer (aggregator/io.py) with no
    aggregation logic, (a') the same reflector in C (benchmarks/c_reflector.c, compiled here with
    ``cc``: the machine's I/O limit), and (b) ``thc-aggregator`` (compiled and numpy engines, 1 shard;
-   compiled, 2 shards), interleaved in the same run. Reported: packets/s, aggregated elements/s (K
-   per packet, SwitchML's metric) and the ratios b/a and b/a'. Targets (issue 16, K = 1024): >= 0.9
-   of the Python reflector, >= 0.7 of the C one.
+   compiled, 2 shards; compiled, busy polling instead of sleeping in select), interleaved in the same
+   run. Reported: packets/s, aggregated elements/s (K per packet, SwitchML's metric) and the ratios b/a
+   and b/a'. Targets (issue 16, K = 1024): >= 0.9 of the Python reflector, >= 0.7 of the C one.
 2. The wall time of a 2^20-coordinate allreduce among 4 worker processes through the aggregator
    (``thc-allreduce``'s machinery) next to torch.distributed (gloo) all_reduce of the same float32
    tensor among 4 processes.
@@ -140,7 +140,7 @@ def generator(port: int, shards: int, cfg: JobConfig, seconds: float, window: in
 
 
 def measure(target: str, cfg: JobConfig, seconds: float, shards: int = 1, window: int = 1024,
-            engine: str = "compiled", c_reflector: Path | None = None) -> dict:
+            engine: str = "compiled", c_reflector: Path | None = None, busy_poll: bool = False) -> dict:
     """One target (``reflector``, ``c_reflector`` or ``aggregator``) under the generator's load."""
     ctx = mp.get_context("fork")
     out = ctx.Queue()
@@ -159,7 +159,8 @@ def measure(target: str, cfg: JobConfig, seconds: float, shards: int = 1, window
         else:
             spec = ",".join(f"{k}={v}" for k, v in cfg.to_dict().items())
             proc = subprocess.Popen([sys.executable, "-m", "aggregator.cli", "--port", "0", "--shards", str(shards),
-                                     "--engine", engine, "--job", spec], stdout=subprocess.PIPE, text=True)
+                                     "--engine", engine, "--job", spec, *(["--busy-poll"] if busy_poll else [])],
+                                    stdout=subprocess.PIPE, text=True)
             port = listening_port(proc.stdout.readline())
         gen = ctx.Process(target=generator, args=(port, shards, cfg, seconds, window, out))
         gen.start()
@@ -322,7 +323,8 @@ def aggregator_cost(d: int, workers: tuple[int, ...] = (2, 4, 8),
     return res
 
 
-TARGETS = ("reflector", "c_reflector", "aggregator", "aggregator_numpy", "aggregator_2_shards")
+TARGETS = ("reflector", "c_reflector", "aggregator", "aggregator_busy_poll", "aggregator_numpy",
+           "aggregator_2_shards")
 
 
 def rates(cfg: JobConfig, args: argparse.Namespace, c_ref: Path | None) -> dict:
@@ -334,6 +336,7 @@ def rates(cfg: JobConfig, args: argparse.Namespace, c_ref: Path | None) -> dict:
         if c_ref is not None:
             runs["c_reflector"].append(measure("c_reflector", cfg, args.seconds, c_reflector=c_ref))
         runs["aggregator"].append(measure("aggregator", cfg, args.seconds))
+        runs["aggregator_busy_poll"].append(measure("aggregator", cfg, args.seconds, busy_poll=True))
         runs["aggregator_numpy"].append(measure("aggregator", cfg, args.seconds, engine="numpy"))
         runs["aggregator_2_shards"].append(measure("aggregator", cfg, args.seconds, shards=2))
     res: dict = {}
@@ -352,6 +355,7 @@ def rates(cfg: JobConfig, args: argparse.Namespace, c_ref: Path | None) -> dict:
     res["ratio_numpy"] = ratio("aggregator_numpy", "reflector")
     res["ratio_c"] = ratio("aggregator", "c_reflector") if c_ref is not None else None
     res["shards_speedup"] = ratio("aggregator_2_shards", "aggregator")
+    res["busy_poll_speedup"] = ratio("aggregator_busy_poll", "aggregator")
     return res
 
 
@@ -365,7 +369,7 @@ def report_rates(k: int, res: dict, cpus: int | None) -> None:
     c = f"{res['ratio_c']:.2f}" if res["ratio_c"] is not None else "n/a (no C compiler)"
     print(f"  aggregator (compiled) / Python reflector {res['ratio']:.2f} (per run {res['ratios']}); / C reflector "
           f"{c}; numpy engine / Python reflector {res['ratio_numpy']:.2f}; 2 shards / 1 shard "
-          f"{res['shards_speedup']:.2f}")
+          f"{res['shards_speedup']:.2f}; busy polling / sleeping in select {res['busy_poll_speedup']:.2f}")
 
 
 def rate_job(k: int) -> JobConfig:
