@@ -89,9 +89,7 @@ def generate(exe: str, out: Path, *, seed: int, max_tests: int) -> dict:
         uncovered = [ln.strip().replace(str(program), "thc.p4").replace(str(INCLUDE_DIR) + "/", "")
                      for ln in log.split("Not covered program nodes:")[-1].splitlines()[1:] if ln.startswith("\t")]
         version = subprocess.run([exe, "--version"], capture_output=True, text=True, check=False).stdout.split()[-1]
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
+        out.mkdir(parents=True, exist_ok=True)  # its two files are overwritten; nothing else is touched
         tests = sorted((tmp / "stf").glob("*.stf"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
         with_output = 0
         text = []
@@ -121,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m p4gen.testgen", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--p4testgen", help="the p4testgen executable (default: the one on PATH)")
-    ap.add_argument("--out", type=Path, default=CORPUS, help=f"corpus folder, replaced (default {CORPUS})")
+    ap.add_argument("--out", type=Path, default=CORPUS,
+                    help=f"corpus folder; its corpus.stf.gz and manifest.json are overwritten (default {CORPUS})")
     ap.add_argument("--seed", type=int, default=1, help="P4Testgen's random seed")
     ap.add_argument("--max-tests", type=int, default=0, help="stop after this many tests (0: until the paths "
                                                              "or the coverage run out)")
