@@ -66,14 +66,14 @@ class ServerConfig:
             raise ValueError(f"shards must be in 1..64, got {self.shards}")
         if not 0 <= self.member < self.members <= 64:
             raise ValueError(f"member must be in 0..members-1 and members in 1..64, got {self.member}/{self.members}")
-
-    def global_shard(self, shard: int) -> tuple[int, int]:
-        """(index, count) of local shard ``shard`` among the shards of all members: the slot partition."""
-        return self.member * self.shards + shard, self.members * self.shards
         if not 1 <= self.batch <= 4096:
             raise ValueError(f"batch must be in 1..4096, got {self.batch}")
         if self.stats_interval < 0:
             raise ValueError("stats_interval must be >= 0")
+
+    def global_shard(self, shard: int) -> tuple[int, int]:
+        """(index, count) of local shard ``shard`` among the shards of all members: the slot partition."""
+        return self.member * self.shards + shard, self.members * self.shards
 
 
 class _Loader:

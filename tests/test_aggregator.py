@@ -151,6 +151,23 @@ def test_metrics_endpoint() -> None:
     assert 'thc_aggregator_dropped_total{reason="bad_version",shard="0"} 1.0' in text
 
 
+@pytest.mark.parametrize("kw, says", [
+    ({"shards": 0}, "shards must be in 1..64"),
+    ({"member": 2, "members": 2}, "member must be in 0..members-1"),
+    ({"batch": 0}, "batch must be in 1..4096"),
+    ({"batch": 5000}, "batch must be in 1..4096"),
+    ({"stats_interval": -1.0}, "stats_interval must be >= 0"),
+])
+def test_server_config_refuses_out_of_range_settings(kw: dict, says: str) -> None:
+    """ServerConfig checks every range itself, not only through thc-aggregator's argparse types: a library
+    user gets the same refusal."""
+    from aggregator.server import ServerConfig
+
+    with pytest.raises(ValueError, match=says):
+        ServerConfig(**kw)
+    assert ServerConfig(shards=2, member=1, members=3).global_shard(1) == (3, 6)
+
+
 def test_a_member_serves_only_its_share_of_the_slots() -> None:
     """--member 1/2 --shards 2: of 4 global shards this aggregator holds 2 and 3, so its port + 0 answers
     slot 2 (2 mod 4) and drops slot 0 (member 0's) as wrong_shard; port + 1 answers slot 3."""
