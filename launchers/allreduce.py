@@ -96,6 +96,14 @@ def _worker(spec: RunSpec, worker: int, barrier: mp.synchronize.Barrier) -> None
         raise SystemExit(1) from exc
 
 
+def member_pcap(path: Path | None, member: int, members: int) -> Path | None:
+    """Where started aggregator ``member`` writes its capture: ``path`` itself when it is the only one,
+    else ``agg.pcap`` -> ``agg.member1.pcap``."""
+    if path is None or members == 1:
+        return path
+    return path.with_suffix(f".member{member}{path.suffix}")
+
+
 def worker_pcap(path: Path, worker: int) -> Path:
     """Where worker ``worker`` writes its capture: ``agg.pcap`` -> ``agg.worker2.pcap``."""
     return path.with_name(f"{path.stem}.worker{worker}{path.suffix or '.pcap'}")
@@ -205,8 +213,7 @@ def run(args: argparse.Namespace) -> dict:
         else:
             members = [stack.enter_context(local_aggregator(
                 [job], shards=args.shards, multicast=bool(job.multicast), member=(i, args.aggregators),
-                pcap=None if args.pcap is None else args.pcap.with_suffix(f".member{i}{args.pcap.suffix}")
-                if args.aggregators > 1 else args.pcap)) for i in range(args.aggregators)]
+                pcap=member_pcap(args.pcap, i, args.aggregators))) for i in range(args.aggregators)]
         spec = RunSpec(job, members, args.shards, args.dim, args.steps, args.seed, args.loss_policy,
                        args.drop_up, args.drop_down, args.timeout, args.deadline, tmp, args.multicast, args.retries,
                        args.pcap if args.aggregator else None)

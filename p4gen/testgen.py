@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from p4gen.bmv2 import INCLUDE_DIR, Geometry, render
+from worker_lib.cli.args import int_in
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "p4testgen" / "bmv2"
@@ -70,7 +71,9 @@ def generate(exe: str, out: Path, *, seed: int, max_tests: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="p4testgen-") as tmpd:
         tmp = Path(tmpd)
         program = tmp / "thc.p4"
-        program.write_text(rendered_program())
+        text = rendered_program()
+        program.write_text(text)
+        program_sha256 = hashlib.sha256(text.encode()).hexdigest()
         cmd = [exe, "--target", "bmv2", "--arch", "v1model", "--std", "p4-16", "-I", str(INCLUDE_DIR),
                "-DTHC_P4TESTGEN", "--test-backend", "STF", "--out-dir", str(tmp / "stf"), "--seed", str(seed),
                "--max-tests", str(max_tests), "--packet-size-range", f"0:{MAX_PACKET_BITS}", "--port-ranges", PORTS,
@@ -90,23 +93,23 @@ def generate(exe: str, out: Path, *, seed: int, max_tests: int) -> dict:
                      for ln in log.split("Not covered program nodes:")[-1].splitlines()[1:] if ln.startswith("\t")]
         version = subprocess.run([exe, "--version"], capture_output=True, text=True, check=False).stdout.split()[-1]
         out.mkdir(parents=True, exist_ok=True)  # its two files are overwritten; nothing else is touched
-        tests = sorted((tmp / "stf").glob("*.stf"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
+        tests = sorted((int(p.stem.rsplit("_", 1)[1]), p) for p in (tmp / "stf").glob("*.stf"))  # (path number, file)
         with_output = 0
-        text = []
-        for path in tests:
+        corpus = []
+        for number, path in tests:
             stf = path.read_text()
             lines = [ln for ln in stf.splitlines() if ln.strip() and not ln.startswith("#")]
             with_output += any(ln.startswith("expect") for ln in lines)
             # the counters the path increments, from its trace: the program's verdict on the packet
-            text += [f"# P4Testgen path {path.stem.rsplit('_', 1)[1]}",
-                     "# counters: " + " ".join(COUNT.findall(stf)), *lines]
+            corpus += [f"# P4Testgen path {number}", "# counters: " + " ".join(COUNT.findall(stf)), *lines]
         # mtime=0: the same tests give the same bytes
-        (out / TESTS_FILE).write_bytes(gzip.compress(("\n".join(text) + "\n").encode(), 9, mtime=0))
+        (out / TESTS_FILE).write_bytes(gzip.compress(("\n".join(corpus) + "\n").encode(), 9, mtime=0))
+        paths = TEST.findall(log)
     manifest = {
         "p4testgen": version, "program": f"p4src/bmv2/thc.p4.in rendered with K = {ELEMS} (p4gen.bmv2)",
-        "program_sha256": hashlib.sha256(rendered_program().encode()).hexdigest(),
+        "program_sha256": program_sha256,
         "command": ["p4testgen", *(_portable(a, tmp) for a in cmd[1:-1]), "thc.p4"], "seed": seed, "elems": ELEMS,
-        "paths_explored": int(TEST.findall(log)[-1]) + 1 if TEST.findall(log) else None,  # tests count from 0
+        "paths_explored": int(paths[-1]) + 1 if paths else None,  # P4Testgen numbers its tests from 0
         "tests": len(tests), "tests_with_output": with_output,
         "statement_coverage": {"fraction": float(fraction), "covered": int(hit), "statements": int(total)},
         "uncovered": uncovered, "generation_s": round(wall, 1),
@@ -121,12 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--p4testgen", help="the p4testgen executable (default: the one on PATH)")
     ap.add_argument("--out", type=Path, default=CORPUS,
                     help=f"corpus folder; its corpus.stf.gz and manifest.json are overwritten (default {CORPUS})")
-    ap.add_argument("--seed", type=int, default=1, help="P4Testgen's random seed")
-    ap.add_argument("--max-tests", type=int, default=0, help="stop after this many tests (0: until the paths "
-                                                             "or the coverage run out)")
+    ap.add_argument("--seed", type=int_in(0, 2**31 - 1), default=1, help="P4Testgen's random seed")
+    ap.add_argument("--max-tests", type=int_in(0, 10**9), default=0,
+                    help="stop after this many tests (0: until the paths or the coverage run out)")
     args = ap.parse_args(argv)
-    if args.seed < 0 or args.max_tests < 0:
-        ap.error("--seed and --max-tests must not be negative")
     m = generate(find_p4testgen(args.p4testgen), args.out, seed=args.seed, max_tests=args.max_tests)
     cov = m["statement_coverage"]
     print(f"{m['tests']} tests ({m['tests_with_output']} with an output packet) from {m['paths_explored']} paths in "

@@ -135,9 +135,7 @@ class THCCodec:
         self.uniforms = UniformSource(self.device, seed)
         self._buffers: dict[int, TensorBuffers] = {}
         if self.device.type == "cpu":  # load (or compile) the CPU pass now, not inside the first step
-            fused.quantize_into(np.zeros(2, np.float32), np.float32(1.0), np.float32(0.0), self.table.granularity,
-                                self.quantizer.slope, self.quantizer.offset, self.table.size - 1, np.uint64(0),
-                                np.empty(2, np.uint8))
+            self._quantize_cpu(np.zeros(2, np.float32), 1.0, 0, np.empty(2, np.uint8))
 
     def buffers(self, d: int, key: SignKey) -> TensorBuffers:
         """New buffers for vectors of length d (for callers that keep one set per tensor)."""
@@ -164,14 +162,10 @@ class THCCodec:
         """Clamp, stochastically quantize and map to table indices an already rotated vector."""
         ws = buffers.ws
         big_m = self.scale(max_norm, rotated.numel())
-        g = self.table.granularity
         if rotated.device.type == "cpu" and big_m > 0:  # one compiled pass (fused.py), the same arithmetic
-            scale = g / (2 * big_m)  # as to_grid: x * scale + (-low) * scale, each rounded to float32
-            q = self.quantizer
-            fused.quantize_into(rotated.numpy(), np.float32(scale), np.float32(big_m * scale), g, q.slope, q.offset,
-                                self.table.size - 1, np.uint64(self.uniforms.next_key()), ws.indices.numpy())
+            self._quantize_cpu(rotated.numpy(), big_m, self.uniforms.next_key(), ws.indices.numpy())
             return Encoded(ws.indices, big_m, length, self.table.bits, ws.packed)
-        y = to_grid(rotated, -big_m, big_m, g, out=ws.grid)
+        y = to_grid(rotated, -big_m, big_m, self.table.granularity, out=ws.grid)
         indices = self.quantizer.quantize(y, self.uniforms.fill(ws.uniforms), ws)
         return Encoded(indices, big_m, length, self.table.bits, ws.packed)
 
@@ -182,6 +176,14 @@ class THCCodec:
         buf = buffers.use(key) if buffers else self._default(flat.numel(), key)
         rotated = buf.rht.forward(flat, out=buf.ws.rotated)
         return self.quantize_rotated(rotated, max_norm, flat.numel(), buf)
+
+    def _quantize_cpu(self, x: np.ndarray, big_m: float, key: int, out: np.ndarray) -> None:
+        """``fused.quantize_into`` over [-M, M] with this codec's table: the indices of x into ``out``."""
+        g = self.table.granularity
+        scale = g / (2 * big_m)  # as to_grid: x * scale + (-low) * scale, each rounded to float32
+        q = self.quantizer
+        fused.quantize_into(x, np.float32(scale), np.float32(big_m * scale), g, q.slope, q.offset,
+                            self.table.size - 1, np.uint64(key), out)
 
     def aggregate(self, indices: Sequence[torch.Tensor | np.ndarray]) -> torch.Tensor:
         """What the aggregator computes: the integer sum of T[index] over workers (int64, on CPU)."""

@@ -66,7 +66,7 @@ class TableQuantizer:
         #: each grid cell's affine map, float32 arrays (the CPU's compiled path reads them)
         self.slope, self.offset = slope.astype(np.float32), offset.astype(np.float32)
         # (slope, offset) of each cell, gathered together as one 64-bit word
-        pair = np.stack([slope.astype(np.float32), offset.astype(np.float32)], axis=1)
+        pair = np.stack([self.slope, self.offset], axis=1)
         self._affine = torch.as_tensor(np.ascontiguousarray(pair).view(np.int64).ravel(), device=self.device)
 
     def quantize(self, y: torch.Tensor, uniforms: torch.Tensor, ws: Workspace | None = None) -> torch.Tensor:
