@@ -101,17 +101,31 @@ def measure(net: Topology, run: Run, job: int, args: argparse.Namespace, agg_pid
     per = hook.get("per_timed_step", {})  # the hook's counters over the timed steps, per step
     per = {k: per.get(k, 0.0) for k in ("encode_s", "network_s", "decode_s", "bytes_sent")}
     sent = per["bytes_sent"]  # payload bytes one worker sends per step
+    down = down_bytes(sent, run.mode, args)  # payload bytes the aggregator's link carries per step
     return {"rate_mbit": run.rate_mbit, "mode": run.mode, "loss": run.loss, "workers": s["world_size"],
             "parameters": s["parameters"], "steps": steps,
             "step_s": s["step_s"], "forward_s": s["forward_s"], "backward_s": s["backward_s"],
             "optimizer_s": s["optimizer_s"], "samples_per_s": s["world_size"] * args.batch_size / s["step_s"],
             "hook_encode_s": per["encode_s"], "hook_network_s": per["network_s"], "hook_decode_s": per["decode_s"],
             "payload_bytes_up": sent, "link_up_s": sent * 8 / (run.rate_mbit * 1e6),
+            "payload_bytes_down": down, "link_down_s": down * 8 / (run.rate_mbit * 1e6),
             "aggregator_cpu_s": agg_cpu / steps, "identical": s["identical"], "final_loss": s["final_loss"],
             "retransmissions": hook.get("transport_retransmissions", 0), "mtu": args.mtu, "wall_s": wall,
             "early_retransmissions": hook.get("transport_early_retransmissions", 0),
             "slot_bound_s": hook.get("transport_slot_bound_s", 0.0) / steps,
             "window_bound_s": hook.get("transport_window_bound_s", 0.0) / steps}
+
+
+def down_bytes(sent: float, mode: str, args: argparse.Namespace) -> float:
+    """Result payload bytes the aggregator's own link carries per step, given one worker's DATA payload
+    ``sent``: every element comes back at the job's result width, once per worker by unicast fan-out,
+    once in all by multicast (the bridge copies it). 0 for gloo."""
+    if mode == "gloo":
+        return 0.0
+    job = JobConfig(job=1, workers=args.workers, kind=kind(mode), mtu=args.mtu)
+    up_bits = job.bits if job.kind == "thc" else 32
+    copies = 1 if mode.endswith("mcast") else args.workers
+    return sent / up_bits * job.result_bits * copies
 
 
 def kind(mode: str) -> str:
@@ -155,18 +169,22 @@ def report(rows: list[dict]) -> None:
     print(f"\nDDP on an emulated network: {rows[0]['workers']} workers, {rows[0]['parameters']:,} parameters, "
           "each node and the aggregator in its own namespace, links shaped by tc (both directions)")
     print(f"{'rate':>8} {'loss':>5} {'mode':<12} {'step ms':>8} {'x gloo':>7} {'samples/s':>9} | {'fwd':>6} {'bwd':>7} "
-          f"{'encode':>7} {'network':>8} {'decode':>7} {'agg cpu':>8} {'link up':>8} {'MB up':>6} {'retx':>5} same")
+          f"{'encode':>7} {'network':>8} {'decode':>7} {'agg cpu':>8} {'link up':>8} {'link dn':>8} {'MB up':>6} "
+          f"{'retx':>5} same")
     for r in rows:
         ratio = gloo.get(r["rate_mbit"])
         print(f"{r['rate_mbit']:>8g} {r['loss']:>5g} {r['mode']:<12} {r['step_s'] * 1e3:8.1f} "
               f"{(r['step_s'] / ratio if ratio else float('nan')):7.2f} {r['samples_per_s']:9.1f} | "
               f"{r['forward_s'] * 1e3:6.1f} {r['backward_s'] * 1e3:7.1f} {r['hook_encode_s'] * 1e3:7.1f} "
               f"{r['hook_network_s'] * 1e3:8.1f} {r['hook_decode_s'] * 1e3:7.1f} {r['aggregator_cpu_s'] * 1e3:8.1f} "
-              f"{r['link_up_s'] * 1e3:8.1f} {r['payload_bytes_up'] / 1e6:6.2f} {r['retransmissions']:>5} "
+              f"{r['link_up_s'] * 1e3:8.1f} {r['link_down_s'] * 1e3:8.1f} {r['payload_bytes_up'] / 1e6:6.2f} "
+              f"{r['retransmissions']:>5} "
               f"{r['identical']}")
     print("(ms per step; 'x gloo' = step time / gloo's at the same rate; fwd/bwd from the training loop, backward "
           "includes waiting for the exchange; encode/network/decode: the hook's thread; agg cpu: aggregator CPU "
-          "time per step; link up: one worker's DATA payload at the link rate. gloo's traffic is not counted.)")
+          "time per step; link up: one worker's DATA payload at the link rate; link dn: the results on the "
+          "aggregator's link at that rate (n copies by unicast, one by multicast): the step's wire floor is the "
+          "larger of the two. gloo's traffic is not counted.)")
     loss_report(rows)
 
 

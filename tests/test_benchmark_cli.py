@@ -106,3 +106,20 @@ def test_every_bad_benchmark_option_is_one_line(module: str, argv: list[str], sa
     lines = [ln for ln in r.stderr.splitlines() if not ln.startswith("usage:") and not ln.startswith("  ")]
     assert r.returncode in (1, 2) and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
     assert says in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("mode, workers, expected", [
+    ("thc", 2, 4000.0),         # 2000 4-bit indices come back as 8-bit sums (2000 B), once per worker
+    ("thc-mcast", 2, 2000.0),   # ... and once in all by multicast
+    ("thc", 4, 8000.0),
+    ("int32", 2, 2000.0),       # 250 int32 values come back as 250 int32 sums, twice
+    ("int32-mcast", 2, 1000.0),
+    ("gloo", 2, 0.0),
+])
+def test_ddp_netem_counts_the_results_on_the_aggregators_link(mode: str, workers: int, expected: float) -> None:
+    """The wire floor of a step includes the results: 1000 bytes sent by one worker draw ``expected`` bytes
+    of results on the aggregator's link (the figures worked out by hand from the result widths)."""
+    from benchmarks.ddp_netem import build_parser, down_bytes
+
+    args = build_parser().parse_args(["--workers", str(workers)])
+    assert down_bytes(1000.0, mode, args) == expected
