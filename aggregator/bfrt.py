@@ -44,12 +44,20 @@ from aggregator.switch.entries import (
     service_entry,
 )
 from aggregator.switch.errors import SwitchError
+from p4gen.tofino import TofinoGeometry
 from worker_lib.job import JobConfig
 from worker_lib.wire.protocol import Counter
 
-# The geometry p4gen/tofino.py renders p4src/tofino/thc.p4 with by default (tests/test_tofino_bfrt.py
-# checks these agree with the generator's TofinoGeometry defaults).
-DEFAULT_TOFINO_GEOMETRY = ProgramGeometry(elems=24, bits=4, result_bits=8, slots=4096, jobs=8)
+
+def tofino_geometry(g: TofinoGeometry) -> ProgramGeometry:
+    """What the control plane needs of a Tofino program rendered by p4gen/tofino.py for ``g``: its
+    constants and the shape of its lookups (``lookup_<m>``, keyed on ``indices``: adjacent indices)."""
+    return ProgramGeometry(g.elems, g.bits, g.result_bits, g.slots, g.jobs, lookup_indices=g.lookup_indices,
+                           lookup_control="lookup", lookup_key="indices")
+
+
+# The geometry p4gen/tofino.py renders p4src/tofino/thc.p4 with by default.
+DEFAULT_TOFINO_GEOMETRY = tofino_geometry(TofinoGeometry())
 
 # Registers of the program and their data fields (bfrt names: a plain register's single field is f1), so
 # the load script can reset them.
@@ -60,7 +68,7 @@ INGRESS_REGISTERS: Mapping[str, tuple[str, ...]] = MappingProxyType({
 EGRESS_REGISTERS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "worker_ip": ("f1",), "worker_port_mac_hi": ("f1",), "worker_mac_lo": ("f1",),
 })
-# Tables that match ternary on Tofino: the elements' lookups (``elem_<e>.lookup``) live in TCAM (an
+# Tables that match ternary on Tofino: the lookups (``lookup_<m>.lookup``) live in TCAM (an
 # exact-match table needs a hash unit of its own, and a stage has 8), so their entries carry masks (all
 # ones: an exact match) and a priority.
 TERNARY_TABLE_SUFFIX = ".lookup"
@@ -136,13 +144,14 @@ def _short(name: str) -> str:
 
 
 def _key_bits(prog: TofinoProgram, name: str) -> int:
-    """Width of a lookup table's key field: the job row (16 bits) or a b-bit index."""
-    return 16 if name == "job_index" else prog.geometry.bits
+    """Width of a lookup table's key field: the job row (16 bits) or its adjacent b-bit indices."""
+    g = prog.geometry
+    return 16 if name == "job_index" else g.bits * g.lookup_indices
 
 
 def bfrt_table_call(prog: TofinoProgram, entry: LogicalEntry) -> str:
     """One ``add_with_<action>`` call of bfrt_python for a logical entry of the ingress (the table by its
-    path below the ingress, ``elem_3.lookup``; the action by its own name, ``value``)."""
+    path below the ingress, ``lookup_3.lookup``; the action by its own name, ``value``)."""
     args = []
     ternary = entry.table.endswith(TERNARY_TABLE_SUFFIX)
     for m in entry.match:

@@ -1,18 +1,20 @@
 #!/usr/bin/env python3
-"""Render the Tofino (TNA) THC program p4src/tofino/thc.p4 from its template for a given geometry.
+"""Render the Tofino THC program p4src/tofino/thc.p4 (TNA, or T2NA for Tofino 2) from its template.
 
 Why generated: P4 has no loop over header fields or control instances, and the program needs one
-b-bit field per element of the DATA payload, one sum per element, and one instance per element of the
-per-element control ThcElement, which holds the element's lookup table (a table is applied at most once
-per pass) and its sum register (a register is accessed by at most one RegisterAction per pass on
-Tofino). That control, and everything else, is P4 in the hand-written template p4src/tofino/thc.p4.in;
-only the lines at its ``@...@`` markers come from here (with the validation TCAM rows, each commented).
+field per lookup key of the DATA payload (two adjacent b-bit indices where 2 b <= 8), one 32-bit word
+of packed sums per stateful ALU (four 8-bit or two 16-bit lanes), and one instance each of the controls
+ThcLookup (a lookup table: a table is applied at most once per pass) and ThcWord (a sum register: a
+register is accessed by at most one RegisterAction per pass on Tofino). Those controls, and everything
+else, are P4 in the hand-written template p4src/tofino/thc.p4.in; only the lines at its ``@...@``
+markers come from here (with the validation TCAM rows, each commented).
 
-The checked-in p4src/tofino/thc.p4 is rendered with the defaults of ``TofinoGeometry`` (K = 24 indices of 4
-bits, 8-bit sums, 4096 slots, 8 jobs, recirculation port 68); tests/test_p4_tofino.py checks that it is
-what this script writes now. p4src/tofino/README.md explains the limits (why K <= 24)::
+The checked-in p4src/tofino/thc.p4 is rendered with the defaults of ``TofinoGeometry`` (Tofino 1, K = 48
+indices of 4 bits, 8-bit sums, 4096 slots, 8 jobs, recirculation port 68); tests/test_p4_tofino.py
+checks that it is what this script writes now. p4src/tofino/README.md explains the limits of K::
 
     python -m p4gen.tofino                                  # rewrite p4src/tofino/thc.p4 (defaults)
+    python -m p4gen.tofino --target tofino2 --elems 96 --output /tmp/t2/thc.p4
     python -m p4gen.tofino --elems 16 --result-bits 16 --output /tmp/thc16.p4
     python -m p4gen.tofino --check                          # exit 1 if thc.p4 is out of date
 """
@@ -35,42 +37,121 @@ INCLUDE_DIR = P4SRC / "include"
 MARKERS = ("@CONFIG@", "@PAYLOAD_HEADERS@", "@ELEMENT_INSTANCES@", "@ELEMENT_APPLY@",
            "@WORKER_BIT_ENTRIES@", "@VALIDATE_KEYS@", "@VALIDATE_ENTRIES@", "@VALIDATE_SIZE@")
 
-# One stateful ALU per sum; one Tofino 1 pipe has 12 stages x 4, and the state needs 9 besides the sums
-# (pass 1 slot, tag, seen bitmap, count; pass 2 norm, result bitmap; egress worker ip, port + mac hi,
-# mac lo). The ALUs would allow K = 32 sums, but the stages do not: bf-p4c 9.13.4 places K = 24 in
-# Tofino 1's 12 stages and K = 32 needs 14 (the sums wait for the lookups, and the lookups for free
-# logical tables). See p4src/tofino/README.md.
-MAX_ELEMS = 24
+# Stateful ALUs: one per 32-bit word of packed sums (four 8-bit or two 16-bit lanes, THC_LANES), and 9
+# for the state besides the sums (pass 1 slot, tag, seen bitmap, count; pass 2 norm, result bitmap;
+# egress worker ip, port + mac hi, mac lo). A lookup takes two adjacent indices where 2 b <= 8 (256
+# entries per job) and returns both values in their lanes. The largest K each target compiles to is
+# what bf-p4c placed (p4src/tofino/README.md has the resource tables and what stops a larger K).
+TARGETS = {  # target -> (architecture include, most elements per packet, default recirculation port)
+    "tofino": ("tna.p4", 48, 68),     # Tofino 1, 12 stages; port 68: pipe 0's recirculation port
+    "tofino2": ("t2na.p4", 96, 6),    # Tofino 2, 20 stages; port 6: a recirculation port of pipe 0
+}
 MAX_WORKERS = 32  # one 32-bit bitmap cell per bank
+WORD_BITS = 32  # a sum register cell: the lanes of one stateful ALU
+MAX_LOOKUP_KEY_BITS = 8  # adjacent indices of one lookup: at most 2^8 entries per job
 
 
 @dataclass(frozen=True)
 class TofinoGeometry(P4Geometry):
-    """Compile-time constants of the Tofino program: the shared fields of ``P4Geometry`` (K at most 32:
-    one stateful ALU per sum, see MAX_ELEMS; at most 65536 slots) and recirc_port, the recirculation
-    port of the pipe the workers are on (68 on pipe 0 of a Tofino 1)."""
+    """Compile-time constants of the Tofino program: the shared fields of ``P4Geometry``, the target
+    (``tofino``: Tofino 1, TNA; ``tofino2``: Tofino 2, T2NA; see TARGETS for the largest K of each) and
+    recirc_port, the recirculation port of the pipe the workers are on (None: the target's default).
+    K defaults to the largest the target compiles."""
 
-    elems: int = MAX_ELEMS
+    elems: int = None  # type: ignore[assignment]  # None: the target's largest K
     slots: int = 4096
-    recirc_port: int = 68
+    recirc_port: int | None = None
+    target: str = "tofino"
 
-    MAX_ELEMS: ClassVar[int] = MAX_ELEMS
-    ELEMS_WHY: ClassVar[str] = "the largest K that bf-p4c fits into Tofino 1's 12 stages"
+    MAX_ELEMS: ClassVar[int] = max(k for _, k, _ in TARGETS.values())
+    ELEMS_WHY: ClassVar[str] = "the largest K that bf-p4c fits into a Tofino 2's 20 stages"
     MAX_SLOTS: ClassVar[int] = 1 << 16
 
     def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {self.target!r}")
+        _, most, port = TARGETS[self.target]
+        if self.elems is None:
+            object.__setattr__(self, "elems", most)
         super().__post_init__()
+        if self.elems > most:
+            raise ValueError(f"elems (K) must be at most {most} for {self.target} (the largest K that bf-p4c "
+                             f"places in its stages; p4src/tofino/README.md), got {self.elems}")
+        if self.recirc_port is None:
+            object.__setattr__(self, "recirc_port", port)
         if not 0 <= self.recirc_port < 512:
             raise ValueError(f"recirc_port must be a 9-bit port number, got {self.recirc_port}")
 
+    @property
+    def lanes(self) -> int:
+        """Sums per 32-bit register cell (four 8-bit, two 16-bit)."""
+        return WORD_BITS // self.result_bits
+
+    @property
+    def lookup_indices(self) -> int:
+        """Adjacent indices one lookup takes: 2 where their key fits 8 bits (b <= 4), else 1."""
+        return 2 if 2 * self.bits <= MAX_LOOKUP_KEY_BITS else 1
+
+    @property
+    def words(self) -> int:
+        """32-bit sum words (stateful ALUs) of the payload: K / lanes."""
+        return self.elems // self.lanes
+
+    @property
+    def lookups(self) -> int:
+        """Lookup tables of the payload: K / lookup_indices."""
+        return self.elems // self.lookup_indices
+
 
 def _config(g: TofinoGeometry) -> str:
-    return g.config_lines(extra=[
-        f"const PortId_t THC_RECIRC_PORT = {g.recirc_port};     // recirculation port of the workers' pipe"])
+    q = g.lookup_indices
+    return g.config_lines(after_result_bits=[
+        f"#define THC_LANES {g.lanes}                  // sums per 32-bit register cell",
+        f"#define THC_LOOKUP_INDICES {q}         // adjacent indices per lookup",
+        f"#define THC_LOOKUP_KEY_BITS {q * g.bits}        // their key: THC_LOOKUP_INDICES * b",
+        f"#define THC_LOOKUP_VALUE_BITS {q * g.result_bits}     // their values, one lane each",
+    ], extra=[f"const PortId_t THC_RECIRC_PORT = {g.recirc_port};     // recirculation port of the workers' pipe"])
 
 
 def _payload_headers(g: TofinoGeometry) -> str:
-    return g.payload_headers()
+    """The DATA payload as the lookups' keys (adjacent indices) and the RESULT payload as 32-bit words of
+    lanes: the same bytes as the protocol's K indices and K sums (both MSB first), in the fields the
+    tables and registers take whole."""
+    q = g.lookup_indices
+    keys = [f"    bit<THC_LOOKUP_KEY_BITS> k{m};  // indices {m * q}..{m * q + q - 1}" if q > 1 else
+            f"    bit<THC_LOOKUP_KEY_BITS> k{m};" for m in range(g.lookups)]
+    words = [f"    bit<32> w{j};  // sums {j * g.lanes}..{j * g.lanes + g.lanes - 1}" for j in range(g.words)]
+    return "\n".join([
+        f"// DATA payload: K b-bit table indices, MSB-first, taken {q} at a time (one lookup key each).",
+        "header thc_data_h {", *keys, "}", "",
+        f"// RESULT payload: K unsigned sums, big-endian, {g.lanes} to a 32-bit word (one register cell each).",
+        "header thc_result_h {", *words, "}",
+    ])
+
+
+def lookup_instance(m: int) -> str:
+    """The instance name of lookup ``m`` (``lookup_3``): its table is ``<ingress>.lookup_3.lookup``
+    (aggregator.switch.entries.lookup_table)."""
+    return f"lookup_{m}"
+
+
+def _instances(g: TofinoGeometry) -> str:
+    return "\n".join([*(f"ThcLookup() {lookup_instance(m)};" for m in range(g.lookups)),
+                      *(f"ThcWord() word_{j};" for j in range(g.words))])
+
+
+def _applies(g: TofinoGeometry) -> str:
+    """Per word: its lookups, each writing its lanes (the first lookup the top bits), then its register."""
+    per, width = g.lanes // g.lookup_indices, g.lookup_indices * g.result_bits
+    lines = []
+    for j in range(g.words):
+        for h in range(per):
+            m = j * per + h
+            top = WORD_BITS - 1 - h * width
+            lane = f"hdr.result.w{j}" if per == 1 else f"hdr.result.w{j}[{top}:{top - width + 1}]"
+            lines.append(f"{lookup_instance(m)}.apply(hdr.bridge.job_index, hdr.data.k{m}, {lane});")
+        lines.append(f"word_{j}.apply(hdr.bridge.op, bank, hdr.result.w{j});")
+    return "\n".join(lines)
 
 
 def _worker_bit_entries() -> str:
@@ -202,22 +283,18 @@ def _validate_keys() -> str:
     return "\n".join(f"{expr}: ternary;" for _, expr in VALIDATE_KEYS)
 
 
-# Each element's ThcElement: job row, its index, the operation, the bank, its sum (RESULT field).
-ELEMENT_ARGS = "hdr.bridge.job_index, hdr.data.i{e}, hdr.bridge.op, bank, hdr.result.s{e}"
-
-
 def render(geometry: TofinoGeometry | None = None, template: str | None = None) -> str:
     """The program text for ``geometry`` (defaults: ``TofinoGeometry()``)."""
     g = geometry or TofinoGeometry()
     text = TEMPLATE.read_text() if template is None else template
-    parts = {"@CONFIG@": _config(g), "@PAYLOAD_HEADERS@": _payload_headers(g),
-             "@ELEMENT_INSTANCES@": g.element_instances("ThcElement"),
-             "@ELEMENT_APPLY@": g.element_applies(ELEMENT_ARGS),
+    parts = {"@ARCH_INCLUDE@": f"#include <{TARGETS[g.target][0]}>", "@CONFIG@": _config(g),
+             "@PAYLOAD_HEADERS@": _payload_headers(g), "@ELEMENT_INSTANCES@": _instances(g),
+             "@ELEMENT_APPLY@": _applies(g),
              "@WORKER_BIT_ENTRIES@": _worker_bit_entries(), "@VALIDATE_KEYS@": _validate_keys(),
              "@VALIDATE_ENTRIES@": _validate_entries(g),
              "@VALIDATE_SIZE@": f"size = {len(validation_entries(validation_checks(g)))};"}
     text = fill_markers(text, parts)
-    header = (f"// GENERATED by p4gen/tofino.py from p4src/tofino/thc.p4.in for K={g.elems}, b={g.bits}, "
+    header = (f"// GENERATED by p4gen/tofino.py from p4src/tofino/thc.p4.in for {g.target}, K={g.elems}, b={g.bits}, "
               f"result_bits={g.result_bits}, slots={g.slots}, jobs={g.jobs}, recirc_port={g.recirc_port}. "
               "Do not edit.\n")
     return header + text
@@ -228,14 +305,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     TofinoGeometry.add_arguments(ap)
+    ap.set_defaults(elems=None)
     d = TofinoGeometry()
-    ap.add_argument("--recirc-port", type=int, default=d.recirc_port,
-                    help=f"recirculation port (default {d.recirc_port}: pipe 0 of a Tofino 1)")
+    ap.add_argument("--target", choices=tuple(TARGETS), default=d.target,
+                    help=f"tofino (Tofino 1, tna.p4) or tofino2 (Tofino 2, t2na.p4) (default {d.target})")
+    ap.add_argument("--recirc-port", type=int,
+                    help="recirculation port of the workers' pipe (default: 68 on tofino, 6 on tofino2; pipe 0)")
     ap.add_argument("--output", type=Path, default=OUTPUT, help=f"where to write (default {OUTPUT})")
     ap.add_argument("--check", action="store_true", help="exit 1 if --output differs from the rendering")
     args = ap.parse_args(argv)
     try:
-        g = TofinoGeometry(args.elems, args.bits, args.result_bits, args.slots, args.jobs, args.recirc_port)
+        g = TofinoGeometry(args.elems, args.bits, args.result_bits, args.slots, args.jobs, args.recirc_port,
+                           args.target)
     except ValueError as exc:
         ap.error(str(exc))
     return write_or_check(render(g), args.output, check=args.check, script="p4gen/tofino.py")

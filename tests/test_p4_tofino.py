@@ -51,9 +51,10 @@ def p4test_path() -> str:
     return path
 
 
-def run_p4test(program: Path) -> subprocess.CompletedProcess[str]:
-    """p4test -D__TARGET_TOFINO__=1 -I <tna> -I p4src/include <program> (its own directory is searched too)."""
-    cmd = [p4test_path(), "-D__TARGET_TOFINO__=1", "-I", str(tna_include_dir()), "-I", str(INCLUDE_DIR),
+def run_p4test(program: Path, generation: int = 1) -> subprocess.CompletedProcess[str]:
+    """p4test -D__TARGET_TOFINO__=<generation> -I <tna> -I p4src/include <program> (its own directory is
+    searched too): 1 for tna.p4, 2 for t2na.p4, which refuses other targets."""
+    cmd = [p4test_path(), f"-D__TARGET_TOFINO__={generation}", "-I", str(tna_include_dir()), "-I", str(INCLUDE_DIR),
            str(program)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
 
@@ -88,24 +89,59 @@ def test_program_uses_the_shared_headers_and_parser() -> None:
     assert "pkt.extract(hdr.thc);" in egress and "hdr.data" not in egress and "hdr.norm" not in egress
 
 
-@pytest.mark.parametrize(("elems", "bits", "rbits"), [(8, 2, 8), (24, 4, 8), (16, 8, 16), (24, 4, 16)])
+@pytest.mark.parametrize(("elems", "bits", "rbits"), [(8, 2, 8), (24, 4, 8), (16, 8, 16), (24, 4, 16), (48, 4, 8)])
 def test_payload_headers_follow_the_geometry(elems: int, bits: int, rbits: int) -> None:
-    """K index fields of b bits (i0.. in wire order); K sums; K instances of ThcElement (one lookup table
-    and one sum register with its own RegisterAction each), instance e applied once, to index e and sum e."""
+    """The payload as the wire has it, cut where the tables and registers take it: the DATA payload in
+    lookup keys of two adjacent indices where 2 b <= 8 (else one), the RESULT payload in 32-bit words
+    (32 / result width sums each). Every lookup is applied once, to its key, writing exactly the bits its
+    elements occupy in the RESULT payload (worked out here from byte offsets); then each word's register
+    (ThcWord: one Register, one RegisterAction) is applied once, after its word's lookups."""
     text = gen.render(gen.TofinoGeometry(elems=elems, bits=bits, result_bits=rbits))
-    assert parse_header(text, "thc_data_h") == [(f"i{e}", bits) for e in range(elems)]
-    body = re.search(r"header thc_result_h \{(.*?)\}", text, re.S).group(1)
-    assert re.findall(r"bit<THC_RESULT_BITS> (\w+);", body) == [f"s{e}" for e in range(elems)]
-    assert f"#define THC_RESULT_BITS {rbits}" in text
+    q = 2 if 2 * bits <= 8 else 1
+    c = parse_consts(text)
+    assert (c["THC_LOOKUP_INDICES"], c["THC_LOOKUP_KEY_BITS"], c["THC_LOOKUP_VALUE_BITS"]) == (q, q * bits, q * rbits)
+    assert c["THC_LANES"] == 32 // rbits and c["THC_RESULT_BITS"] == rbits
+    data = re.search(r"header thc_data_h \{(.*?)\}", text, re.S).group(1)
+    assert re.findall(r"bit<THC_LOOKUP_KEY_BITS> (\w+);", data) == [f"k{m}" for m in range(elems // q)]
+    result = re.search(r"header thc_result_h \{(.*?)\}", text, re.S).group(1)
+    words = elems * rbits // 32
+    assert re.findall(r"bit<32> (\w+);", result) == [f"w{j}" for j in range(words)]
     code = _strip_comments(text)
-    assert [int(x) for x in re.findall(r"ThcElement\(\) elem_(\d+);", code)] == list(range(elems))
-    applied = re.findall(r"elem_(\d+)\.apply\(hdr\.bridge\.job_index, hdr\.data\.i(\d+), hdr\.bridge\.op, bank, "
-                         r"hdr\.result\.s(\d+)\);", code)
-    assert applied == [(str(e), str(e), str(e)) for e in range(elems)]
-    element = code[code.index("control ThcElement("):code.index("control ThcIngress(")]
-    assert len(re.findall(r"\bRegister<", element)) == len(re.findall(r"\bRegisterAction<", element)) == 1
-    assert element.count("lookup.apply();") == 1
+    assert re.findall(r"ThcLookup\(\) (\w+);", code) == [f"lookup_{m}" for m in range(elems // q)]
+    assert re.findall(r"ThcWord\(\) (\w+);", code) == [f"word_{j}" for j in range(words)]
+    body = code[code.index("hdr.result.setValid();"):]
+    applies = re.findall(r"(lookup|word)_(\d+)\.apply\(([^;]*)\);", body)
+    done_words = set()
+    for kind, n, args in applies:
+        n = int(n)
+        if kind == "word":
+            assert args == f"hdr.bridge.op, bank, hdr.result.w{n}" and n not in done_words
+            done_words.add(n)
+            continue
+        first = n * q  # element of its first index
+        bit = first * rbits  # its offset in the RESULT payload, in bits from the start
+        word, top = bit // 32, 31 - bit % 32
+        lane = f"hdr.result.w{word}" if q * rbits == 32 else f"hdr.result.w{word}[{top}:{top - q * rbits + 1}]"
+        assert args == f"hdr.bridge.job_index, hdr.data.k{n}, {lane}", (n, args)
+        assert word not in done_words, f"lookup {n} after its word's register"
+    assert [int(n) for kind, n, _ in applies if kind == "lookup"] == list(range(elems // q))
+    assert done_words == set(range(words))
+    lookup = code[code.index("control ThcLookup("):code.index("control ThcWord(")]
+    word = code[code.index("control ThcWord("):code.index("control ThcIngress(")]
+    assert "Register" not in lookup and lookup.count("lookup.apply();") == 1
+    assert len(re.findall(r"\bRegister<", word)) == len(re.findall(r"\bRegisterAction<", word)) == 1
     assert not re.search(r"@[A-Z_]+@", code), "a template marker was left unfilled"
+
+
+def test_tofino2_program_includes_t2na() -> None:
+    """--target tofino2 renders the same program on t2na.p4, with K = 96 and pipe 0's recirculation port 6 by
+    default; tofino renders it on tna.p4 with K = 48 and port 68."""
+    t2 = gen.render(gen.TofinoGeometry(target="tofino2"))
+    t1 = gen.render(gen.TofinoGeometry())
+    assert "#include <t2na.p4>" in t2 and "#include <tna.p4>" not in t2
+    assert "#include <tna.p4>" in t1 and "#include <t2na.p4>" not in t1
+    assert parse_consts(t2)["THC_K"] == 96 and parse_consts(t1)["THC_K"] == 48
+    assert "THC_RECIRC_PORT = 6;" in t2 and "THC_RECIRC_PORT = 68;" in t1
 
 
 def test_consts_match_the_geometry() -> None:
@@ -120,13 +156,15 @@ def test_consts_match_the_geometry() -> None:
 
 def test_program_keeps_tofinos_register_rules() -> None:
     """Text-level Tofino rules: no v1model register calls (.read/.write), cells of 8/16/32 bits (or a pair
-    of 16-bit halves), every register used through RegisterActions, no more registers than one pipe's
-    12 x 4 stateful ALUs, and the worker bitmap is one 32-bit cell (MAX_WORKERS = 32)."""
+    of 16-bit halves), every register used through RegisterActions, no more registers (ThcWord's once per
+    instance) than one pipe's 12 x 4 stateful ALUs, and the worker bitmap is one 32-bit cell (MAX_WORKERS =
+    32)."""
     code = _strip_comments(PROGRAM.read_text())
     assert not re.search(r"\.\s*(read|write)\s*\(", code)
     regs = re.findall(r"Register<([^,]+),\s*bit<(?:16|32)>>\((\w+)\)\s+(\w+);", code)
     assert regs, "no Register declarations found"
-    assert len(regs) <= 12 * 4
+    words = len(re.findall(r"ThcWord\(\) word_\d+;", code))
+    assert words == 48 // 4 and len(regs) - 1 + words <= 12 * 4
     widths = {"bit<8>": 8, "bit<16>": 16, "bit<32>": 32,
               "bit<THC_RESULT_BITS>": parse_consts(code)["THC_RESULT_BITS"]}
     for cell, _size, name in regs:
@@ -136,8 +174,9 @@ def test_program_keeps_tofinos_register_rules() -> None:
     assert "for (" not in code and "while" not in code
 
 
-@pytest.mark.parametrize("bad", [dict(elems=12), dict(elems=32), dict(elems=40), dict(bits=0), dict(bits=9),
-                                 dict(result_bits=32), dict(slots=0), dict(jobs=4096), dict(recirc_port=512)])
+@pytest.mark.parametrize("bad", [dict(elems=12), dict(elems=56), dict(elems=104, target="tofino2"), dict(bits=0),
+                                 dict(bits=9), dict(result_bits=32), dict(slots=0), dict(jobs=4096),
+                                 dict(recirc_port=512), dict(target="tofino3")])
 def test_bad_geometry_is_refused(bad: dict) -> None:
     """Geometries the program cannot have are refused with a message naming the parameter."""
     with pytest.raises(ValueError, match=next(iter(bad)).split("_")[0]):
@@ -151,13 +190,15 @@ def test_p4test_front_end_accepts_the_program() -> None:
     assert "error" not in proc.stderr.lower() and "warning" not in proc.stderr.lower(), proc.stderr
 
 
-@pytest.mark.parametrize(("elems", "rbits"), [(8, 8), (16, 16)])
-def test_p4test_accepts_other_geometries(tmp_path: Path, elems: int, rbits: int) -> None:
-    """Other geometries of the generator also pass the front end (rendered next to a copy of parser.p4)."""
+@pytest.mark.parametrize(("elems", "bits", "rbits", "target"), [(8, 4, 8, "tofino"), (16, 4, 16, "tofino"),
+                                                                 (16, 8, 16, "tofino"), (96, 4, 8, "tofino2")])
+def test_p4test_accepts_other_geometries(tmp_path: Path, elems: int, bits: int, rbits: int, target: str) -> None:
+    """Other geometries of the generator, and Tofino 2's program on t2na.p4, also pass the front end
+    (rendered next to a copy of parser.p4)."""
     out = tmp_path / "thc.p4"
-    out.write_text(gen.render(gen.TofinoGeometry(elems=elems, result_bits=rbits)))
+    out.write_text(gen.render(gen.TofinoGeometry(elems=elems, bits=bits, result_bits=rbits, target=target)))
     shutil.copy(P4_DIR / "tofino" / "parser.p4", tmp_path / "parser.p4")
-    proc = run_p4test(out)
+    proc = run_p4test(out, 2 if target == "tofino2" else 1)
     assert proc.returncode == 0, f"p4test failed:\n{proc.stderr}"
 
 
@@ -165,8 +206,8 @@ def test_p4test_rejects_a_broken_program(tmp_path: Path) -> None:
     """The front-end test can fail: a use of an undeclared name in the program is an error."""
     out = tmp_path / "thc.p4"
     text = PROGRAM.read_text()
-    assert "        sum = v;\n" in text
-    out.write_text(text.replace("        sum = v;\n", "        sum = v + thc_no_such_name;\n"))
+    assert "        values = v;\n" in text
+    out.write_text(text.replace("        values = v;\n", "        values = v + thc_no_such_name;\n"))
     shutil.copy(P4_DIR / "tofino" / "parser.p4", tmp_path / "parser.p4")
     proc = run_p4test(out)
     assert proc.returncode != 0 and "thc_no_such_name" in proc.stderr

@@ -46,8 +46,8 @@ GEN = 0x1234
 CALL = re.compile(r"^ing\.([\w.]+)\.add_with_(\w+)\((.*)\)$")
 
 
-def sample_job(elems: int = 24) -> JobConfig:
-    """A THC job of 3 workers, 8-bit sums; K = 24 is the default Tofino program's, 32 the BMv2 one's."""
+def sample_job(elems: int = 48) -> JobConfig:
+    """A THC job of 3 workers, 8-bit sums; K = 48 is the default Tofino program's, 32 the BMv2 one's."""
     return JobConfig(job=7, key=0x54484321, workers=3, threshold=2, elems=elems, result_bits=8, slots=16)
 
 
@@ -63,37 +63,59 @@ def parse_calls(script: str) -> list[tuple[str, str, dict[str, int]]]:
     return out
 
 
-def logical(calls: list[tuple[str, str, dict[str, int]]], bits: int) -> list[tuple[str, str, dict[str, int]]]:
+def logical(calls: list[tuple[str, str, dict[str, int]]], key_bits: int) -> list[tuple[str, str, dict[str, int]]]:
     """The calls without what Tofino's ternary lookup tables add to a logical entry, after checking it:
-    every key's mask is all ones (an exact match) and the priority is 0 (entries never overlap)."""
+    every key's mask is all ones (an exact match: 16 bits of job row, ``key_bits`` of indices) and the
+    priority is 0 (entries never overlap)."""
     out = []
     for table, action, kw in calls:
         if table.endswith(".lookup"):
             kw = dict(kw)
-            assert (kw.pop("job_index_mask"), kw.pop("index_mask"), kw.pop("MATCH_PRIORITY")) == (
-                0xFFFF, (1 << bits) - 1, 0), (table, kw)
+            key = "index" if "index" in kw else "indices"
+            assert (kw.pop("job_index_mask"), kw.pop(f"{key}_mask"), kw.pop("MATCH_PRIORITY")) == (
+                0xFFFF, (1 << key_bits) - 1, 0), (table, kw)
         out.append((table, action, kw))
     return out
 
 
+def job_call(cfg: JobConfig, job_index: int, slot_base: int, mcast_grp: int) -> tuple[str, str, dict[str, int]]:
+    """The thc_jobs entry of a job (bfrt key names)."""
+    return ("thc_jobs", "job_config", {
+        "job": cfg.job, "key": cfg.key, "table_id": cfg.table_id, "workers": cfg.workers,
+        "threshold": cfg.threshold, "slots": cfg.slots, "slot_base": slot_base, "job_index": job_index,
+        "mcast_grp": mcast_grp, "gen": GEN})
+
+
+def expected_pair_calls(cfg: JobConfig, job_index: int, slot_base: int, mcast_grp: int,
+                        ) -> list[tuple[str, str, dict[str, int]]]:
+    """The Tofino program's entries of a job with 4-bit indices and 8-bit sums: lookup m takes indices
+    2m and 2m + 1 (the byte m of the DATA payload: i0 in its top nibble) and returns T[i0] in the top byte
+    and T[i1] in the low byte of a 16-bit value (two lanes of the RESULT payload, in order)."""
+    assert cfg.bits == 4 and cfg.result_bits == 8
+    t = [int(v) for v in cfg.values()]
+    out = [(f"lookup_{m}.lookup", "value", {"job_index": job_index, "indices": byte, "v": t[byte >> 4] * 256 +
+                                            t[byte & 15]})
+           for m in range(cfg.elems // 2) for byte in range(256)]
+    return [*out, job_call(cfg, job_index, slot_base, mcast_grp)]
+
+
 def expected_job_calls(cfg: JobConfig, job_index: int, slot_base: int, mcast_grp: int,
                        ) -> list[tuple[str, str, dict[str, int]]]:
-    """The lookup and job entries of a job, from its table values and configuration (bfrt key names)."""
+    """The lookup and job entries of a job on the BMv2 program's geometry (one lookup per element), from
+    its table values and configuration (bfrt key names)."""
     values = [int(v) for v in cfg.values()]
     assert len(values) == 1 << cfg.bits
     out = [(f"elem_{e}.lookup", "value", {"job_index": job_index, "index": i, "v": v})
            for e in range(cfg.elems) for i, v in enumerate(values)]
-    out.append(("thc_jobs", "job_config", {
-        "job": cfg.job, "key": cfg.key, "table_id": cfg.table_id, "workers": cfg.workers,
-        "threshold": cfg.threshold, "slots": cfg.slots, "slot_base": slot_base, "job_index": job_index,
-        "mcast_grp": mcast_grp, "gen": GEN}))
-    return out
+    return [*out, job_call(cfg, job_index, slot_base, mcast_grp)]
 
 
 def test_default_geometry_is_the_generators() -> None:
-    """The control plane's Tofino geometry is the one p4gen/tofino.py renders thc.p4 with."""
-    g = gen_tofino.TofinoGeometry()
-    assert DEFAULT_TOFINO_GEOMETRY == ProgramGeometry(g.elems, g.bits, g.result_bits, g.slots, g.jobs)
+    """The control plane's Tofino geometry is the one p4gen/tofino.py renders thc.p4 with: Tofino 1, K =
+    48 of 4 bits, 8-bit sums, lookups of two adjacent indices named lookup_<m> keyed on indices."""
+    assert DEFAULT_TOFINO_GEOMETRY == ProgramGeometry(48, 4, 8, 4096, 8, lookup_indices=2, lookup_control="lookup",
+                                                      lookup_key="indices")
+    assert gen_tofino.TofinoGeometry().elems == 48 and gen_tofino.TofinoGeometry(target="tofino2").elems == 96
 
 
 def test_reset_covers_every_register_of_the_program() -> None:
@@ -101,7 +123,7 @@ def test_reset_covers_every_register_of_the_program() -> None:
     data fields of its cell type, and nothing else."""
     text = TOFINO_PROGRAM.read_text()
     element, rest = text.split("control ThcIngress(", 1)
-    element = element[element.index("control ThcElement("):]
+    element = element[element.index("control ThcLookup("):]
     ingress, egress = rest.split("control ThcEgress(", 1)
     ing_regs = set(re.findall(r"^\s*Register<[^\n]*?>\(\w+\) (\w+);", ingress, re.M))
     egr_regs = set(re.findall(r"^\s*Register<[^\n]*?>\(\w+\) (\w+);", egress, re.M))
@@ -110,22 +132,23 @@ def test_reset_covers_every_register_of_the_program() -> None:
     script = bfrt_load_script(TofinoPlan())
     cleared = set(re.findall(r"^(?:ing|egr)\.(\w+)\.clear\(\)$", script, re.M))
     assert cleared == ing_regs | egr_regs
-    # The sums (ThcElement's one register per instance) need no reset: a FRESH or NEWER packet
+    # The sums (ThcWord's one register per instance) need no reset: a FRESH or NEWER packet
     # overwrites its bank's sums (OP_SET).
     assert re.findall(r"^\s*Register<[^\n]*?>\(\w+\) (\w+);", element, re.M) == ["sums"]
     # Plain cells (no struct): bfrt names the single data field f1.
     cells = set(re.findall(r"^\s*Register<([^,]+),[^\n]*?>\(\w+\) \w+;", text, re.M))
-    assert cells <= {"bit<8>", "bit<16>", "bit<32>", "bit<THC_RESULT_BITS>"}, cells
+    assert cells <= {"bit<8>", "bit<16>", "bit<32>"}, cells
     assert all(fields == ("f1",) for fields in {**INGRESS_REGISTERS, **EGRESS_REGISTERS}.values())
 
 
 def test_bfrt_script_installs_the_expected_entries() -> None:
-    """Lookup entries (job row, index) -> T[index] for all 32 elements, the job entry with the job's
-    configuration, PRE nodes (rid = row * 32 + worker, one port each) and the group of those nodes."""
+    """Lookup entries (job row, two indices) -> their T values in two lanes for the 24 lookups of the 48
+    elements, the job entry with the job's configuration, PRE nodes (rid = row * 32 + worker, one port
+    each) and the group of those nodes."""
     cfg = sample_job()
     script = bfrt_load_script(TofinoPlan(jobs=(TofinoJob(cfg, (5, 6, 9)),)), generation=GEN)
-    calls = logical(parse_calls(script), cfg.bits)
-    assert calls == expected_job_calls(cfg, job_index=0, slot_base=0, mcast_grp=1)
+    calls = logical(parse_calls(script), 2 * cfg.bits)
+    assert calls == expected_pair_calls(cfg, job_index=0, slot_base=0, mcast_grp=1)
     nodes = re.findall(r"bfrt\.pre\.node\.entry\(MULTICAST_NODE_ID=(\d+), MULTICAST_RID=(\d+), "
                        r"MULTICAST_LAG_ID=\[\], DEV_PORT=\[(\d+)\]\)\.push\(\)", script)
     assert sorted((int(r), int(p)) for _, r, p in nodes) == [(0, 5), (1, 6), (2, 9)]
@@ -140,10 +163,10 @@ def test_script_order_makes_the_job_live_last() -> None:
     script = bfrt_load_script(TofinoPlan(jobs=(TofinoJob(sample_job(), (1, 2, 3)),)), generation=GEN)
     lines = script.splitlines()
     pos = {key: next(i for i, ln in enumerate(lines) if ln.startswith(key))
-           for key in ("bfrt.port.port.add", "ing.slot_state.clear", "ing.elem_0.lookup.", "bfrt.pre.mgid",
+           for key in ("bfrt.port.port.add", "ing.slot_state.clear", "ing.lookup_0.lookup.", "bfrt.pre.mgid",
                        "ing.thc_jobs.", "bfrt.complete_operations")}
     assert list(pos.values()) == sorted(pos.values())
-    assert max(i for i, ln in enumerate(lines) if ln.startswith("ing.elem_")) < pos["ing.thc_jobs."]
+    assert max(i for i, ln in enumerate(lines) if ln.startswith("ing.lookup_")) < pos["ing.thc_jobs."]
 
 
 def test_both_targets_get_the_same_logical_entries() -> None:
@@ -186,7 +209,7 @@ def test_services_routes_and_two_jobs() -> None:
     """Service and LPM route entries; a second job gets the next row, the next slot range, group 2 and
     its own PRE node ids and replication ids (row 1: 32 + worker)."""
     a = sample_job()
-    b = JobConfig(job=8, key=1, workers=2, elems=24, result_bits=8, slots=8)
+    b = JobConfig(job=8, key=1, workers=2, elems=48, result_bits=8, slots=8)
     plan = TofinoPlan(jobs=(TofinoJob(a, (1, 2, 3)), TofinoJob(b, (4, 5))),
                       services=(("10.0.0.100", "02:00:00:00:01:00"),),
                       routes=(("10.0.1.0/24", "00:00:00:00:00:07", 7),))
@@ -203,7 +226,7 @@ def test_services_routes_and_two_jobs() -> None:
 
 
 def test_a_job_the_program_cannot_aggregate_is_refused() -> None:
-    """K other than the compiled 24, or more ports than workers: JobRefused, naming the problem."""
+    """K other than the compiled 48, or more ports than workers: JobRefused, naming the problem."""
     with pytest.raises(JobRefused, match="K = 16"):
         bfrt_load_script(TofinoPlan(jobs=(TofinoJob(JobConfig(workers=2, elems=16, result_bits=8), (1, 2)),)))
     with pytest.raises(JobRefused, match="ports"):
@@ -244,7 +267,7 @@ def test_without_the_sde_scripts_are_written_not_run(tmp_path: Path, monkeypatch
     with pytest.raises(BfrtUnavailable, match=r"\$SDE"):
         bfshell()
     out = tmp_path / "load.py"
-    rc = cli_main(["load", "--target", "tofino", "--job", "job=7,workers=2,elems=24,result_bits=8",
+    rc = cli_main(["load", "--target", "tofino", "--job", "job=7,workers=2,elems=48,result_bits=8",
                    "--ports", "1,2", "--output", str(out)])
     assert rc == 0 and "ing.thc_jobs.add_with_job_config(job=0x7," in out.read_text()
     assert "script not run" in capsys.readouterr().err
@@ -265,13 +288,17 @@ def test_with_an_sde_thc_switch_runs_the_scripts(tmp_path: Path, monkeypatch: py
     shell.chmod(shell.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("SDE", str(sde))
     script = tmp_path / "load.py"
-    rc = cli_main(["load", "--target", "tofino", "--job", "job=7,workers=2,elems=24,result_bits=8",
+    rc = cli_main(["load", "--target", "tofino", "--job", "job=7,workers=2,elems=48,result_bits=8",
                    "--ports", "1,2", "--output", str(script)])
     assert rc == 0 and log.read_text().split() == ["-b", str(script)]
     capsys.readouterr()
     assert cli_main(["stats", "--target", "tofino"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert got["RX"] == 11 and got["ELEMENTS"] == 2 * 24 and got["ACCEPTED"] == 3
+    assert got["RX"] == 11 and got["ELEMENTS"] == 2 * 48 and got["ACCEPTED"] == 3
+    assert cli_main(["stats", "--target", "tofino2"]) == 0  # Tofino 2's program: K = 96 by default
+    assert json.loads(capsys.readouterr().out)["ELEMENTS"] == 2 * 96
+    assert cli_main(["stats", "--target", "tofino", "--elems", "16"]) == 0
+    assert json.loads(capsys.readouterr().out)["ELEMENTS"] == 2 * 16
 
 
 def test_script_names_exist_in_the_tofino_program() -> None:
@@ -288,12 +315,13 @@ def test_script_names_exist_in_the_tofino_program() -> None:
     plan = TofinoPlan(jobs=(TofinoJob(sample_job(), (1, 2, 3)),), services=(("10.0.0.100", "02:00:00:00:01:00"),),
                       routes=(("10.0.1.0/24", "00:00:00:00:00:07", 7),))
     calls = parse_calls(bfrt_load_script(plan, generation=GEN))
-    assert {t for t, _, _ in calls} == {f"elem_{e}.lookup" for e in range(24)} | {"thc_jobs", "thc_service", "ipv4_lpm"}
-    instances = re.findall(r"ThcElement\(\) (elem_\d+);", code)
-    assert instances == [f"elem_{e}" for e in range(24)]
+    assert {t for t, _, _ in calls} == {f"lookup_{m}.lookup" for m in range(24)} | {"thc_jobs", "thc_service",
+                                                                                      "ipv4_lpm"}
+    instances = re.findall(r"ThcLookup\(\) (lookup_\d+);", code)
+    assert instances == [f"lookup_{m}" for m in range(24)]
     suffix = {"lpm": ["_p_length"], "ternary": ["_mask"], "exact": []}
     for table, action, kw in calls:
-        table = table.rsplit(".", 1)[-1]  # an element's table (elem_3.lookup) is ThcElement's lookup
+        table = table.rsplit(".", 1)[-1]  # a lookup's table (lookup_3.lookup) is ThcLookup's lookup
         assert table in tables, f"no table {table} in the Tofino program"
         keys, acts = tables[table]
         assert action in acts, f"table {table} has no action {action}"
@@ -306,7 +334,8 @@ def test_script_names_exist_in_the_tofino_program() -> None:
 def test_cli_geometry_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                              capsys: pytest.CaptureFixture[str]) -> None:
     """--geometry tells thc-switch the program was generated for another K: a K = 16 job is refused by the
-    default (K = 24) and installed with 16 lookup tables under --geometry 16,4,16,4096,8."""
+    default (K = 48) and installed with 8 lookup tables (two indices each) under --geometry 16,4,16,4096,8;
+    a geometry the generator refuses is one line; --target tofino2 takes K = 96 by default."""
     monkeypatch.delenv("SDE", raising=False)
     spec = "job=3,workers=2,elems=16,result_bits=16"
     assert cli_main(["load", "--target", "tofino", "--job", spec, "--ports", "1,2", "--no-run"]) == 1
@@ -315,4 +344,11 @@ def test_cli_geometry_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert cli_main(["load", "--target", "tofino", "--job", spec, "--ports", "1,2", "--no-run",
                      "--geometry", "16,4,16,4096,8", "--output", str(out)]) == 0
     tables = {t for t, _, _ in parse_calls(out.read_text())}
-    assert tables == {f"elem_{e}.lookup" for e in range(16)} | {"thc_jobs"}
+    assert tables == {f"lookup_{m}.lookup" for m in range(8)} | {"thc_jobs"}
+    assert cli_main(["load", "--target", "tofino", "--job", spec, "--ports", "1,2", "--no-run",
+                     "--geometry", "96,4,8,4096,8"]) == 1
+    assert "at most 48 for tofino" in capsys.readouterr().err
+    spec96 = "job=3,workers=2,elems=96,result_bits=8"
+    assert cli_main(["load", "--target", "tofino2", "--job", spec96, "--ports", "1,2", "--no-run",
+                     "--output", str(out)]) == 0
+    assert {t for t, _, _ in parse_calls(out.read_text())} == {f"lookup_{m}.lookup" for m in range(48)} | {"thc_jobs"}

@@ -26,7 +26,6 @@ import tempfile
 from pathlib import Path
 
 from aggregator.bfrt import (
-    DEFAULT_TOFINO_GEOMETRY,
     BfrtUnavailable,
     TofinoJob,
     TofinoPlan,
@@ -36,12 +35,14 @@ from aggregator.bfrt import (
     bfshell,
     parse_stats_output,
     run_bfrt_script,
+    tofino_geometry,
 )
-from aggregator.switch.entries import ProgramGeometry
 from aggregator.switch.errors import SwitchError
+from p4gen.tofino import TofinoGeometry
 from worker_lib.cli.args import log_level
 from worker_lib.job import JobConfigError, load_jobs, parse_job_spec
 
+TARGETS = ("bmv2", "tofino", "tofino2")
 log = logging.getLogger(__name__)
 
 
@@ -63,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ld = sub.add_parser("load", help="push the program (P4Info + BMv2 JSON), then services and routes; "
                         "--target tofino: write (and run where the SDE is) the bfrt_python script")
-    ld.add_argument("--target", choices=("bmv2", "tofino"), default="bmv2", help="switch kind (default bmv2)")
+    ld.add_argument("--target", choices=TARGETS, default="bmv2",
+                    help="switch kind: bmv2, tofino (Tofino 1) or tofino2 (Tofino 2) (default bmv2)")
     ld.add_argument("--p4info", type=Path, help="bmv2: P4Info file written by p4c (text format)")
     ld.add_argument("--json", type=Path, help="bmv2: BMv2 JSON written by p4c-bm2-ss")
     ld.add_argument("--job", action="append", default=[], metavar="SPEC",
@@ -75,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--no-run", action="store_true", help="tofino: only write the script, even where the SDE is")
     ld.add_argument("--sde", help="tofino: the SDE directory (default $SDE)")
     ld.add_argument("--geometry", metavar="K,B,RESULT_BITS,SLOTS,JOBS",
-                    help="tofino: the geometry p4gen/tofino.py compiled the program with (default: its defaults)")
+                    help="tofino: the geometry p4gen/tofino.py rendered the program with (default: its defaults "
+                         "for the target)")
     ld.add_argument("--service", action="append", default=[], metavar="IP,MAC",
                     help="an aggregator address of the switch and the MAC its answers come from (repeatable)")
     ld.add_argument("--route", action="append", default=[], metavar="PREFIX,MAC,PORT",
@@ -92,7 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("job", type=int, help="job id")
     sub.add_parser("jobs", help="list the installed jobs (JSON)")
     st = sub.add_parser("stats", help="print the aggregator counters (JSON, Counter names of worker_lib.wire.protocol)")
-    st.add_argument("--target", choices=("bmv2", "tofino"), default="bmv2", help="switch kind (default bmv2)")
+    st.add_argument("--target", choices=TARGETS, default="bmv2",
+                    help="switch kind: bmv2, tofino (Tofino 1) or tofino2 (Tofino 2) (default bmv2)")
+    st.add_argument("--elems", type=int, help="tofino: K of the compiled program, for the ELEMENTS counter "
+                                              "(default: the generator's for the target)")
     st.add_argument("--output", type=Path, help="tofino: also write the bfrt_python script here")
     st.add_argument("--sde", help="tofino: the SDE directory (default $SDE)")
     return p
@@ -119,20 +125,24 @@ def _tofino_plan(args: argparse.Namespace) -> TofinoPlan:
     for r in args.route:
         prefix, mac, port = _pair(r, 3, "--route")
         routes.append((prefix, mac, int(port)))
-    program = TofinoProgram()
+    program = TofinoProgram(geometry=tofino_geometry(TofinoGeometry(target=args.target)))
     if args.geometry:
         try:
             k, b, rbits, slots, njobs = (int(x) for x in _pair(args.geometry, 5, "--geometry"))
         except ValueError:
             raise SwitchError(f"--geometry must be five integers K,B,RESULT_BITS,SLOTS,JOBS, got {args.geometry!r}") \
                 from None
-        program = TofinoProgram(geometry=ProgramGeometry(k, b, rbits, slots, njobs))
+        try:
+            geometry = TofinoGeometry(k, b, rbits, slots, njobs, target=args.target)
+        except ValueError as exc:
+            raise SwitchError(f"--geometry: {exc}") from None
+        program = TofinoProgram(geometry=tofino_geometry(geometry))
     return TofinoPlan(jobs=jobs, services=services, routes=tuple(routes),  # type: ignore[arg-type]
                       program=program)
 
 
 def run_tofino(args: argparse.Namespace) -> int:
-    """``load`` and ``stats`` for --target tofino: write the bfrt_python script, run it where the SDE is."""
+    """``load`` and ``stats`` for --target tofino/tofino2: write the bfrt_python script, run it where the SDE is."""
     if args.command == "load":
         script = bfrt_load_script(_tofino_plan(args))
         if args.output:
@@ -158,9 +168,10 @@ def run_tofino(args: argparse.Namespace) -> int:
             args.output.write_text(script)
         bfshell(args.sde)  # raises BfrtUnavailable, saying why, where the SDE is not installed
         out = _run_script(script, args.output, args.sde)
-        print(json.dumps(parse_stats_output(out, DEFAULT_TOFINO_GEOMETRY.elems)))
+        elems = args.elems if args.elems is not None else TofinoGeometry(target=args.target).elems
+        print(json.dumps(parse_stats_output(out, elems)))
         return 0
-    raise SwitchError(f"--target tofino supports load and stats, not {args.command}")
+    raise SwitchError(f"--target {args.target} supports load and stats, not {args.command}")
 
 
 def _run_script(text: str, path: Path | None, sde: str | None) -> str:
@@ -175,7 +186,7 @@ def _run_script(text: str, path: Path | None, sde: str | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Execute one parsed command; raises SwitchError/JobConfigError/ValueError on failure."""
-    if getattr(args, "target", "bmv2") == "tofino":
+    if getattr(args, "target", "bmv2") != "bmv2":
         return run_tofino(args)
     if args.command == "load" and (args.p4info is None or args.json is None):
         raise SwitchError("load --target bmv2 needs --p4info and --json")

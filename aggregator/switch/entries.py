@@ -14,6 +14,7 @@ does not fit the compiled result width, more workers than ports given, no free j
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,43 @@ class ProgramGeometry:
     result_bits: int
     slots: int
     jobs: int
+    #: adjacent indices one lookup table takes, their values returned side by side (Tofino: 2 where 2 b <= 8)
+    lookup_indices: int = 1
+    #: the lookup control's instance prefix and index key (BMv2: ``elem_<e>``, ``index``; Tofino:
+    #: ``lookup_<m>``, ``indices``)
+    lookup_control: str = "elem"
+    lookup_key: str = "index"
+
+    @property
+    def lookups(self) -> int:
+        """Lookup tables of the program: K / lookup_indices."""
+        return self.elems // self.lookup_indices
+
+
+def lookup_table(m: int, geometry: ProgramGeometry) -> str:
+    """Lookup table ``m`` relative to the ingress (``elem_3.lookup`` on BMv2, ``lookup_3.lookup`` on Tofino).
+    Its key is (``job_index``, ``geometry.lookup_key``): the job's row and the table's adjacent indices."""
+    return f"{geometry.lookup_control}_{m}.lookup"
+
+
+def lookup_action(m: int, geometry: ProgramGeometry) -> str:
+    """Lookup table ``m``'s action, ``value(v)``: v = the job's table values of its indices, side by side."""
+    return f"{geometry.lookup_control}_{m}.value"
+
+
+def lookup_rows(values: list[int], geometry: ProgramGeometry) -> list[tuple[int, int]]:
+    """(key, value) of every entry a job needs in each lookup table: the key is ``lookup_indices`` indices
+    (the first in the top bits, as they sit in the DATA payload), the value their table values, each in a
+    ``result_bits`` lane (the first in the top bits, as the sums sit in the RESULT payload)."""
+    b, w = geometry.bits, geometry.result_bits
+    rows = []
+    for combo in itertools.product(range(1 << b), repeat=geometry.lookup_indices):
+        key = value = 0
+        for i in combo:
+            key = (key << b) | i
+            value = (value << w) | values[i]
+        rows.append((key, value))
+    return rows
 
 
 def element_table(e: int) -> str:
@@ -169,11 +207,11 @@ def job_entries(cfg: JobConfig, geometry: ProgramGeometry, ports: tuple[int, ...
                 place: Placement, target: str = "bmv2") -> JobEntries:
     """The logical entries of a job at ``place`` (raises JobRefused if the program cannot aggregate it)."""
     check_job(cfg, geometry, ports, target)
-    values = cfg.values().tolist()
+    rows = lookup_rows(cfg.values().tolist(), geometry)
     lookups = tuple(
-        LogicalEntry(element_table(e), (Match("job_index", place.job_index), Match("index", i)),
-                     element_action(e), (("v", int(v)),))
-        for e in range(geometry.elems) for i, v in enumerate(values))
+        LogicalEntry(lookup_table(m, geometry), (Match("job_index", place.job_index), Match(geometry.lookup_key, k)),
+                     lookup_action(m, geometry), (("v", v),))
+        for m in range(geometry.lookups) for k, v in rows)
     group = MulticastGroup(place.mcast_grp,
                            tuple((int(port), replica_id(place.job_index, w)) for w, port in enumerate(ports)))
     vals = {"key": cfg.key, "table_id": cfg.table_id, "workers": cfg.workers, "threshold": cfg.threshold,
