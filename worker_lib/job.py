@@ -10,6 +10,7 @@ The config file format (TOML) is documented in docs/aggregator.md.
 from __future__ import annotations
 
 import functools
+import logging
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -27,6 +28,8 @@ from worker_lib.wire.layout import (
     RESULT_WIDTHS,
     PacketType,
 )
+
+log = logging.getLogger(__name__)
 
 JobKind = Literal["thc", "uncompressed", "dar"]
 JOB_KINDS: tuple[str, ...] = ("thc", "uncompressed", "dar")
@@ -279,13 +282,20 @@ _INT_KEYS = {"job", "key", "workers", "threshold", "bits", "granularity", "resul
 
 
 def job_from_mapping(raw: dict[str, Any], where: str = "job") -> JobConfig:
-    """A JobConfig from a dict (config file table or CLI spec), with clear messages for bad keys."""
+    """A JobConfig from a dict (config file table or CLI spec), with clear messages for bad keys.
+
+    ``granularity = "auto"`` (and with it ``bits = "auto"``) chooses the widths from the workers and the
+    result width (default 8 bits) so that the sums cannot overflow (``worker_lib.thc.widths``); the
+    choice and its cost are logged."""
     names = {f.name for f in fields(JobConfig) if f.init}
     unknown = set(raw) - names
     if unknown:
         raise JobConfigError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(names)}")
+    auto = {k for k in ("granularity", "bits") if isinstance(raw.get(k), str) and raw[k].strip().lower() == "auto"}
     vals: dict[str, Any] = {}
     for k, v in raw.items():
+        if k in auto:
+            continue
         if k in _INT_KEYS and isinstance(v, str):
             try:
                 v = int(v, 0)
@@ -296,7 +306,30 @@ def job_from_mapping(raw: dict[str, Any], where: str = "job") -> JobConfig:
         elif k == "table" and v is not None:
             v = tuple(int(x) for x in (v.split(":") if isinstance(v, str) else v))
         vals[k] = v
+    if auto:
+        vals = _resolve_auto_widths(vals, auto, where)
     return JobConfig(**vals)
+
+
+def _resolve_auto_widths(vals: dict[str, Any], auto: set[str], where: str) -> dict[str, Any]:
+    """``vals`` (parsed) with the ``auto`` keys (granularity, and bits) set to the chosen b, g and result width."""
+    if "granularity" not in auto:
+        raise JobConfigError(f"{where}: bits=auto chooses b together with g: add granularity=auto")
+    if vals.get("kind", "thc") != "thc":
+        raise JobConfigError(f"{where}: granularity=auto is for THC jobs, not kind {vals['kind']!r}")
+    if vals.get("table") is not None:
+        raise JobConfigError(f"{where}: granularity=auto solves the table; drop table= or give granularity")
+    from worker_lib.thc.widths import WidthError, choose_widths
+
+    defaults = JobConfig.__dataclass_fields__
+    workers = vals.get("workers", defaults["workers"].default)
+    try:
+        choice = choose_widths(workers, vals.get("result_bits"), None if "bits" in auto else
+                               vals.get("bits", defaults["bits"].default), vals.get("p", defaults["p"].default))
+    except WidthError as exc:
+        raise JobConfigError(f"{where}: {exc}") from None
+    log.info("%s: %s", where, choice.describe(workers))
+    return {**vals, "bits": choice.bits, "granularity": choice.granularity, "result_bits": choice.result_bits}
 
 
 def _parse_fraction(text: str, where: str) -> float:

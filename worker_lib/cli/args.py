@@ -35,6 +35,16 @@ def int_in(lo: int, hi: int) -> Callable[[str], int]:
     return parse
 
 
+def int_or_auto(lo: int, hi: int) -> Callable[[str], int | None]:
+    """An argparse type: ``auto`` (returned as None: the program chooses) or an integer in lo..hi."""
+    number = int_in(lo, hi)
+
+    def parse(text: str) -> int | None:
+        return None if text.strip().lower() == "auto" else number(text)
+
+    return parse
+
+
 def float_in(lo: float, hi: float) -> Callable[[str], float]:
     """An argparse type: a finite number in lo..hi, else one clear line."""
 
