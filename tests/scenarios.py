@@ -27,6 +27,11 @@ JOB = {"job": 1, "key": KEY, "workers": 2, "bits": 2, "granularity": 10, "table"
 JOB4 = {**JOB, "workers": 4}
 JOB4_OF_3 = {**JOB, "workers": 4, "threshold": 3}
 JOB2 = {**JOB, "job": 2, "key": 0x22222222}
+# A job with a table of its own (granularity 9), for isolation between tables on one switch.
+TABLE3 = (0, 1, 3, 9)
+JOB3 = {**JOB, "job": 4, "key": 0x33333333, "granularity": 9, "table": TABLE3}
+# JOB's table id (docs/protocol.md: CRC-32 of the JSON text "[2, 10, [0, 2, 7, 10]]", low 16 bits).
+JOB_TABLE_ID = 0x517A
 JOB_INT = {"job": 3, "key": KEY, "workers": 2, "kind": "uncompressed", "slots": 2, "elems": K}
 
 # Indices and their table values (T = 0, 2, 7, 10), written out by hand.
@@ -38,6 +43,8 @@ A_B = [10, 12, 7, 10, 2, 4, 14, 17]
 C_D = [9, 2, 9, 2, 17, 10, 17, 10]
 A_B_C = [12, 14, 9, 12, 12, 14, 24, 27]
 A_C = [2, 4, 9, 12, 10, 12, 17, 20]
+# The same indices through TABLE3: A -> 0 1 3 9 0 1 3 9, B -> 9 9 0 0 1 1 3 3.
+A_B_T3 = [9, 10, 3, 9, 1, 2, 6, 12]
 
 
 def data(worker: int, slot: int, rnd: int, indices: list[int], **fields: int) -> dict:
@@ -258,6 +265,21 @@ SCENARIOS: list[dict] = [
             {"send": data(1, 0, 0, D, job=1, key=0x22222222), "expect": []},
         ],
         "counters": {"COMPLETED": 2, "BAD_KEY": 1},
+    },
+    {
+        "name": "two_jobs_own_tables",
+        "doc": "Two jobs with different tables share the switch: the same indices sum through each job's own "
+               "table, on the same slot and round, and one job's table id is refused for the other.",
+        "jobs": [JOB, JOB3],
+        "steps": [
+            {"send": data(0, 0, 0, A), "expect": []},
+            {"send": data(0, 0, 0, A, job=4, key=0x33333333), "expect": []},
+            {"send": data(1, 0, 0, B, job=4, key=0x33333333, table_id=JOB_TABLE_ID), "expect": []},
+            {"send": data(1, 0, 0, B, job=4, key=0x33333333),
+             "expect": [result(0, 0, A_B_T3, 0b11, job=4, key=0x33333333)]},
+            {"send": data(1, 0, 0, B), "expect": [result(0, 0, A_B, 0b11, job=1)]},
+        ],
+        "counters": {"COMPLETED": 2, "BAD_TABLE": 1},
     },
     {
         "name": "uncompressed_int32",
