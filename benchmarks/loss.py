@@ -53,7 +53,7 @@ def run_netns_once(loss: float, args: argparse.Namespace) -> dict:
     slowest worker's data phase (after the norm stage, which also waits for the processes to start);
     exact: every worker's sums are the table sums of all workers' indices (rebuilt from their seeds)."""
     from topologies.netem import NetemConfig, Topology
-    from topologies.netem.ddp import job_spec, start_aggregator
+    from topologies.netem.ddp import start_aggregator
     from topologies.worker import worker_indices
     from worker_lib.job import JobConfig
     from worker_lib.thc import lookup_sum
@@ -64,7 +64,7 @@ def run_netns_once(loss: float, args: argparse.Namespace) -> dict:
                       loss_percent={f"w{i}": 100 * loss for i in range(args.workers)})  # 0: the rules drop nothing
     with Topology(cfg) as net:
         start_aggregator(net, [job])
-        procs = [net.popen(f"w{w}", [sys.executable, "-m", "topologies.worker", "--job", job_spec(job), "--worker",
+        procs = [net.popen(f"w{w}", [sys.executable, "-m", "topologies.worker", "--job", job.spec(), "--worker",
                                      str(w), "--aggregator", f"{net.address('agg')}:9451", "--chunks", str(chunks),
                                      "--seed", "7", "--timeout", "0.05", "--deadline", "60"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)

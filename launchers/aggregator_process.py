@@ -30,11 +30,6 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def job_spec(cfg: JobConfig) -> str:
-    """The ``--job`` option text of a job configuration."""
-    return ",".join(f"{k}={':'.join(map(str, v)) if isinstance(v, list) else v}" for k, v in cfg.to_dict().items())
-
-
 def listening_port(line: str) -> int:
     """The data port announced by thc-aggregator's first line ("thc-aggregator listening on HOST:PORT ...")."""
     if "listening on " not in line:
@@ -56,17 +51,18 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
 @contextlib.contextmanager
 def local_aggregator(jobs: Sequence[JobConfig], *, host: str = "127.0.0.1", shards: int = 1,
                      multicast: bool = False, pcap: Path | None = None, member: tuple[int, int] = (0, 1),
-                     timeout: float = 60.0) -> Iterator[tuple[str, int]]:
+                     timeout: float = 60.0, extra: Sequence[str] = ()) -> Iterator[tuple[str, int]]:
     """Run ``thc-aggregator`` serving ``jobs`` on ``host`` (a free port), as ``member`` (I, N) of the
-    aggregators serving them; yields (host, port)."""
+    aggregators serving them, with the options ``extra`` too (``--control PATH``); yields (host, port)."""
     cmd = [sys.executable, "-m", "aggregator.cli", "--host", host, "--port", "0", "--shards", str(shards),
            "--member", f"{member[0]}/{member[1]}"]
     for cfg in jobs:
-        cmd += ["--job", job_spec(cfg)]
+        cmd += ["--job", cfg.spec()]
     if pcap is not None:
         cmd += ["--pcap", str(pcap)]
     if multicast:
         cmd.append("--multicast")
+    cmd += list(extra)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=die_with_parent)
     try:

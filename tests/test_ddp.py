@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launchers.aggregator_process import job_spec, listening_port
+from launchers.aggregator_process import listening_port
 from worker_lib.ddp import DDPHookConfig, THCHookState
 from worker_lib.job import JobConfig
 from worker_lib.wire.pcap import read_pcap
@@ -121,7 +121,7 @@ def _start_aggregator(*jobs: JobConfig, extra: tuple[str, ...] = ()) -> tuple[su
     process group."""
     cmd = [sys.executable, "-m", "aggregator.cli", "--port", "0", *extra]
     for job in jobs:
-        cmd += ["--job", job_spec(job)]
+        cmd += ["--job", job.spec()]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
     ready, _, _ = select.select([proc.stdout], [], [], 60)
     line = proc.stdout.readline() if ready and proc.stdout else ""

@@ -188,7 +188,7 @@ def test_two_aggregators_in_two_namespaces_share_a_job() -> None:
     dropped as wrong_shard and its chunk never answered)."""
     import numpy as np
 
-    from topologies.netem.ddp import job_spec, start_aggregator
+    from topologies.netem.ddp import start_aggregator
     from topologies.worker import worker_indices
     from worker_lib.job import JobConfig
     from worker_lib.thc import lookup_sum
@@ -201,7 +201,7 @@ def test_two_aggregators_in_two_namespaces_share_a_job() -> None:
         start_aggregator(net, [job], extra=("--member", "0/2"))
         start_aggregator(net, [job], extra=("--member", "1/2"), node="w2")
         members = f"{net.address('agg')}:9451,{net.address('w2')}:9451"
-        procs = [net.popen(f"w{w}", [sys.executable, "-m", "topologies.worker", "--job", job_spec(job), "--worker",
+        procs = [net.popen(f"w{w}", [sys.executable, "-m", "topologies.worker", "--job", job.spec(), "--worker",
                                      str(w), "--aggregator", members, "--chunks", str(chunks), "--seed", "5",
                                      "--timeout", "0.05", "--deadline", "30"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)

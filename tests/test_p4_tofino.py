@@ -20,7 +20,7 @@ import pytest
 import p4gen.tofino as gen
 from aggregator.bfrt import EGRESS_REGISTERS, INGRESS_REGISTERS, TofinoJob, TofinoPlan, bfrt_load_script
 from tests.p4_support import INCLUDE_DIR, P4_DIR
-from tests.test_p4_headers import parse_consts, parse_header
+from tests.test_p4_headers import parse_consts
 from worker_lib.job import JobConfig
 from worker_lib.wire.layout import MAX_WORKERS
 

@@ -57,9 +57,6 @@ class StarRun:
         return JobConfig(job=1, key=0x54484321, workers=self.workers, bits=self.bits, granularity=self.granularity,
                          p=1 / 32, elems=self.elems, result_bits=self.result_bits, slots=self.slots)
 
-    def job_spec(self) -> str:
-        return (f"job=1,key=0x54484321,workers={self.workers},bits={self.bits},granularity={self.granularity},"
-                f"p=1/32,elems={self.elems},result_bits={self.result_bits},slots={self.slots}")
 
 
 def program_for(run: StarRun) -> CompiledProgram:
@@ -80,7 +77,7 @@ def configure(ctl: ThcSwitch, prog: CompiledProgram, run: StarRun, routes: list[
 
 
 def worker_command(run: StarRun, w: int, out: Path) -> list[str]:
-    return [sys.executable, "-m", "topologies.worker", "--job", run.job_spec(), "--worker", str(w),
+    return [sys.executable, "-m", "topologies.worker", "--job", run.job().spec(), "--worker", str(w),
             "--aggregator", f"{SERVICE_IP}:{THC_UDP_PORT}", "--bind", host_ip(w), "--chunks", str(run.chunks),
             "--seed", str(run.seed), "--out", str(out)]
 

@@ -268,6 +268,12 @@ class JobConfig:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items() if v is not None}
 
+    def spec(self) -> str:
+        """The job as a ``--job`` spec (``parse_job_spec`` gives it back): for thc-aggregator, its control
+        ``add`` command and workers. It holds the job's key: pass it only to those that may have it."""
+        return ",".join(f"{k}={':'.join(map(str, v)) if isinstance(v, list) else v}"
+                        for k, v in self.to_dict().items())
+
 
 @functools.lru_cache(maxsize=1)
 def dar_codec_names() -> tuple[str, ...]:

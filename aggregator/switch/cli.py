@@ -37,6 +37,8 @@ from aggregator.bfrt import (
     run_bfrt_script,
     tofino_geometry,
 )
+from aggregator.control import ControlAddress, ControlConfigError, read_token
+from aggregator.placement import Fallback, JobPlacer
 from aggregator.switch.errors import SwitchError
 from p4gen.tofino import TofinoGeometry
 from worker_lib.cli.args import log_level
@@ -90,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--config", type=Path, help="TOML job file; with several jobs, --job-id picks one")
     jb.add_argument("--job-id", type=int, help="the job of --config to install")
     jb.add_argument("--ports", required=True, help="switch port of each worker, in worker order: 1,2,3,4")
+    jb.add_argument("--fallback-control", metavar="ADDRESS",
+                    help="where the switch refuses the job (no free row or slots, another K, b or width, not a THC "
+                         "job), install it on the thc-aggregator with this --control (a Unix socket PATH or "
+                         "HOST:PORT) instead, and print where the workers must send")
+    jb.add_argument("--fallback", metavar="HOST:PORT", help="that thc-aggregator's data address (for the workers)")
+    jb.add_argument("--fallback-token-file", type=Path, help="its --control-token-file, if it has one")
+    jb.add_argument("--service-address", metavar="HOST:PORT", default="switch",
+                    help="the switch's aggregator address as the workers reach it (printed for jobs it takes)")
 
     rm = sub.add_parser("remove", help="remove a job")
     rm.add_argument("job", type=int, help="job id")
@@ -217,6 +227,9 @@ def run(args: argparse.Namespace) -> int:
                     raise SwitchError(f"{args.config}: {len(pick)} jobs match; pick one with --job-id")
                 cfg = pick[0]
             ports = tuple(int(x) for x in args.ports.split(","))
+            if args.fallback_control:
+                print(json.dumps(_placer(sw, args).place(cfg, ports).to_dict()))
+                return 0
             place = sw.configure_job(cfg, ports)
             print(json.dumps({"job": cfg.job, "job_index": place.job_index, "slot_base": place.slot_base,
                               "mcast_grp": place.mcast_grp, "generation": place.generation}))
@@ -229,6 +242,19 @@ def run(args: argparse.Namespace) -> int:
         elif args.command == "stats":
             print(json.dumps(sw.stats()))
     return 0
+
+
+def _placer(sw: object, args: argparse.Namespace) -> JobPlacer:
+    """The switch with thc-aggregator as the fallback of ``job --fallback-control``."""
+    if not args.fallback:
+        raise SwitchError("--fallback-control needs --fallback HOST:PORT (the aggregator's data address, for the "
+                          "workers)")
+    try:
+        control = ControlAddress.parse(args.fallback_control)
+        token = read_token(args.fallback_token_file) if args.fallback_token_file else None
+    except ControlConfigError as exc:
+        raise SwitchError(f"--fallback-control: {exc}") from None
+    return JobPlacer(sw, args.service_address, Fallback(control, args.fallback, token))  # type: ignore[arg-type]
 
 
 def main(argv: list[str] | None = None) -> int:

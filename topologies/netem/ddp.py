@@ -34,18 +34,13 @@ class NodeResult:
     output: str
 
 
-def job_spec(job: JobConfig) -> str:
-    """``thc-aggregator --job`` text for ``job``."""
-    return ",".join(f"{k}={':'.join(map(str, v)) if isinstance(v, list) else v}" for k, v in job.to_dict().items())
-
-
 def start_aggregator(net: Topology, jobs: Sequence[JobConfig], *, multicast: bool = False, port: int = 9451,
                      timeout: float = 60.0, extra: Sequence[str] = (), node: str = "agg") -> subprocess.Popen:
     """``thc-aggregator`` in ``node``'s namespace (the ``agg`` node's by default) on its address (with the
     options ``extra`` too); returns once it listens (polled, no sleep)."""
     cmd = [sys.executable, "-m", "aggregator.cli", "--host", net.address(node), "--port", str(port), *extra]
     for job in jobs:
-        cmd += ["--job", job_spec(job)]
+        cmd += ["--job", job.spec()]
     if multicast:
         cmd.append("--multicast")
     proc = net.popen(node, cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
