@@ -79,7 +79,7 @@ def test_nothing_takes_the_job_is_one_clear_error(fake_switch, aggregator, tmp_p
     data, control = aggregator
     bad = thc_job(21, elems=16)
     with ThcSwitch(addr) as sw:
-        with pytest.raises(PlacementError, match="K = 16.*no fallback aggregator"):
+        with pytest.raises(PlacementError, match=r"K = 16.*no fallback aggregator"):
             JobPlacer(sw, SERVICE, None).place(bad, (1, 2))
         with pytest.raises(PlacementError, match="fallback aggregator too: error: unknown command"):
             # a token the aggregator does not expect makes the command one it does not know
