@@ -23,7 +23,7 @@ import numpy as np
 
 from aggregator.dar import DarAggregator, DarOutputs
 from aggregator.engine import Aggregator, Outputs
-from aggregator.io import BatchSocket, sockaddr_in, sockaddr_to_tuple, udp_socket
+from worker_lib.batch_io import BatchSocket, sockaddr_in, sockaddr_to_tuple, udp_socket
 from worker_lib.job import JobConfig
 from worker_lib.wire.layout import PacketType
 from worker_lib.wire.protocol import Counter, DarCounter

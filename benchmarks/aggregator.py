@@ -2,7 +2,7 @@
 
 1. A load generator emulating n = 4 workers (one socket, worker ids 0..3) with K 4-bit indices per
    packet (``--elems``, default 256, 1024 and 8192), closed loop with a window of outstanding
-   packets, against (a) a raw UDP reflector on the same batched I/O layer (aggregator/io.py) with no
+   packets, against (a) a raw UDP reflector on the same batched I/O layer (worker_lib/batch_io.py) with no
    aggregation logic, (a') the same reflector in C (benchmarks/c_reflector.c, compiled here with
    ``cc``: the machine's I/O limit), and (b) ``thc-aggregator`` (compiled and numpy engines, 1 shard;
    compiled, 2 shards; compiled, busy polling instead of sleeping in select), interleaved in the same
@@ -41,8 +41,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aggregator.engine import DEFAULT_STRIDE
-from aggregator.io import BatchSocket, sockaddr_in, udp_socket
 from launchers.aggregator_process import listening_port
+from worker_lib.batch_io import BatchSocket, sockaddr_in, udp_socket
 from worker_lib.cli.args import comma_list, float_in, int_in
 from worker_lib.job import JobConfig, JobConfigError
 from worker_lib.wire import PacketType, build_batch, fragment_count, pack_bits

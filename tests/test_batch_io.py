@@ -1,4 +1,4 @@
-"""aggregator.io.BatchSocket: a batch of rows reaches its addresses as the same datagrams, in order,
+"""worker_lib.batch_io.BatchSocket: a batch of rows reaches its addresses as the same datagrams, in order,
 with and without segmentation offload (runs to one address of one length leave as one message)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import socket
 import numpy as np
 import pytest
 
-from aggregator.io import BatchSocket, sockaddr_in, udp_socket
+from worker_lib.batch_io import BatchSocket, sockaddr_in, udp_socket
 from worker_lib.udp_offload import gso_available
 
 

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aggregator.io import sockaddr_in
 from aggregator.server import ServerConfig
 from aggregator.shard import Shard
 from tests.test_fuzz import CFG, UNCOMPRESSED, _damaged, _uncompressed_wire, _wire, damage, packet
+from worker_lib.batch_io import sockaddr_in
 from worker_lib.job import JobConfig
 from worker_lib.wire import Header, PacketType
 from worker_lib.wire.protocol import DarCounter

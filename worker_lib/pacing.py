@@ -94,6 +94,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -219,13 +220,21 @@ class Pacer:
 
     def sample(self, rtt: float) -> None:
         """Fold in the round trip of a use answered without retransmission."""
-        self._samples.append(rtt)
-        self._recent.append(rtt)
-        self.base_rtt = min(self.base_rtt, rtt)
+        self.sample_many((rtt,))
+
+    def sample_many(self, rtts: Iterable[float] | np.ndarray) -> None:
+        """Fold in the round trips of uses answered without retransmission, in the order answered."""
+        rtts = [float(r) for r in rtts]
+        if not rtts:
+            return
+        self._samples.extend(rtts)
+        self._recent.extend(rtts)
+        self.base_rtt = min(self.base_rtt, min(rtts))
         self._rtt_stale = True
 
-    def answered(self, now: float) -> None:
-        """A use was answered at ``now``: grow the window unless a queue shows (see the module's text)."""
+    def answered(self, now: float, count: int = 1) -> None:
+        """``count`` uses were answered at ``now`` (one received batch): grow the window by each, unless a
+        queue shows (see the module's text; the queue is judged once per batch)."""
         if not self.congestion_control:
             return
         recent = self._recent_rtt()
@@ -233,8 +242,9 @@ class Pacer:
                 recent - self.base_rtt > max(QUEUE_DELAY, self.base_rtt):
             self.ssthresh = min(self.ssthresh, self.cwnd)  # a queue shows: slow start ends, growth pauses
             return
-        step = 1.0 if self.cwnd < self.ssthresh else 1.0 / self.cwnd
-        self.cwnd = min(float(self.max_window), self.cwnd + step)
+        for _ in range(count):
+            step = 1.0 if self.cwnd < self.ssthresh else 1.0 / self.cwnd
+            self.cwnd = min(float(self.max_window), self.cwnd + step)
 
     def queue(self) -> float | None:
         """Uses of this worker waiting in a queue on the path, estimated from the round trips (None

@@ -51,6 +51,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
+from worker_lib.batch_io import BatchSocket, sockaddr_to_tuple
 from worker_lib.job import JobConfig
 from worker_lib.pacing import Pacer, extend_loss_runs
 from worker_lib.udp_offload import GSO_BYTES, GSO_SEGMENTS, SOL_UDP, UDP_SEGMENT, gso_available
@@ -58,9 +59,11 @@ from worker_lib.wire.bits import pack_bits
 from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, PacketType
 from worker_lib.wire.pcap import PcapWriter
 from worker_lib.wire.protocol import Header, fragment_count, next_round, serial_newer
-from worker_lib.wire.serializer import build_batch, float_bits
+from worker_lib.wire.serializer import build_batch, float_bits, header_view
 
 log = logging.getLogger(__name__)
+
+RX_BATCH = 64  #: datagrams read per recvmmsg
 
 LossPolicy = Literal["reliable", "zero-fill"]
 
@@ -197,7 +200,10 @@ class Transport:
         self.slot_round = [0] * p.slots
         self.stats = TransportStats()
         self._rng = np.random.default_rng([cfg.seed, cfg.worker])
-        self._rbuf = bytearray(65536)
+        # Answers are read RX_BATCH at a time (recvmmsg) into rows as long as the job's path MTU allows,
+        # and judged as arrays: no Python per datagram on the receive path.
+        stride = max(p.mtu, HEADER_BYTES + DAR_PREFIX_BYTES + 64)
+        self._rx = {s.fileno(): BatchSocket(s, batch=RX_BATCH, stride=stride, max_send=1) for s in self.socks}
         self._dests = cfg.destinations
         self.pcap = PcapWriter(cfg.pcap) if cfg.pcap is not None else None
         # Segmentation offload sends whole runs; the per-datagram paths (simulated loss, pcap, several
@@ -300,12 +306,12 @@ class Transport:
         got = np.zeros(fragment_count(p.max_message, per), bool)
         res = {"bits": -1, "frags": -1, "have": 0, "contributors": 0}
 
-        def accept(_i: int, h: Header, n: int) -> bool | None:
+        def accept_one(row: np.ndarray, h: Header, n: int) -> bool | None:
             """A result fragment: stored (True once the whole result is here), or None if it is not one."""
             if h.type != PacketType.DAR_RESULT or h.round != rounds[0] or h.width != 8 or \
                     n < HEADER_BYTES + DAR_PREFIX_BYTES:
                 return None
-            rb, rf = struct.unpack_from(">II", self._rbuf, HEADER_BYTES)
+            rb, rf = struct.unpack_from(">II", row, HEADER_BYTES)
             rbytes = -(-rb // 8)
             if rbytes > p.max_message or rf != fragment_count(rbytes, per) or h.chunk >= rf or \
                     h.elems != min(per, rbytes - h.chunk * per) or n != HEADER_BYTES + DAR_PREFIX_BYTES + h.elems or \
@@ -314,10 +320,18 @@ class Transport:
             res.update(bits=rb, frags=rf, contributors=h.contributors)
             if not got[h.chunk]:
                 off = HEADER_BYTES + DAR_PREFIX_BYTES
-                result[h.chunk * per: h.chunk * per + h.elems] = np.frombuffer(self._rbuf, np.uint8, h.elems, off)
+                result[h.chunk * per: h.chunk * per + h.elems] = row[off:off + h.elems]
                 got[h.chunk] = True
                 res["have"] += 1
             return res["have"] == res["frags"]
+
+        def accept(_idx: np.ndarray, _hv: np.ndarray, rows: np.ndarray, lens: np.ndarray) -> np.ndarray:
+            # fragments are few (one message per use): judged one by one, in arrival order
+            out = np.full(len(rows), -1, np.int8)
+            for k in range(len(rows)):
+                got_one = accept_one(rows[k], Header.unpack_from(rows[k]), int(lens[k]))
+                out[k] = -1 if got_one is None else int(got_one)
+            return out
 
         def resend(_i: int) -> range | list[int]:
             # Fragment k is answered with result fragments k, k + frags, ...: once the result's fragment
@@ -353,21 +367,24 @@ class Transport:
         want_type = PacketType.NORM_RESULT if is_norm else PacketType.RESULT
         rdt = np.dtype({8: ">u1", 16: ">u2", 32: ">u4"}[32 if is_norm else p.result_bits])
 
-        def accept(i: int, h: Header, n: int) -> bool | None:
-            """The result of use i (True), or None if the datagram is not that result."""
-            if h.type != want_type or h.round != rounds[i] or h.elems != k or \
-                    n != HEADER_BYTES + k * rdt.itemsize or h.width != rdt.itemsize * 8:
-                return None
-            vals = np.frombuffer(self._rbuf, rdt, count=k, offset=HEADER_BYTES)
+        size = HEADER_BYTES + k * rdt.itemsize
+
+        def accept(idx: np.ndarray, hv: np.ndarray, rows: np.ndarray, lens: np.ndarray) -> np.ndarray:
+            """1 for each datagram that is the result of its use ``idx``, -1 for the others; the results'
+            sums, contributor counts and bitmaps are stored."""
+            ok = (hv["type"] == want_type) & (hv["round"] == rounds[idx]) & (hv["elems"] == k) & \
+                (lens == size) & (hv["width"] == rdt.itemsize * 8)
+            use = idx[ok]
+            vals = np.ascontiguousarray(rows[ok, HEADER_BYTES:size]).view(rdt)
             if is_norm:
-                sums[i] = int(vals[0])
+                sums[use] = vals[:, 0]
             elif signed:
-                sums[i] = vals.astype(np.uint32).view(np.int32)
+                sums[use] = vals.astype(np.uint32).view(np.int32)
             else:
-                sums[i] = vals
-            contrib[i] = h.contributors
-            bitmap[i] = h.bitmap
-            return True
+                sums[use] = vals
+            contrib[use] = hv["contributors"][ok]
+            bitmap[use] = hv["bitmap"][ok]
+            return np.where(ok, 1, -1).astype(np.int8)
 
         lost = self._exchange(slots, rounds, rows, accept, lambda _i: (0,), tensor=tensor,
                               policy=policy or cfg.loss_policy, what=f"job {p.job}, this key and table",
@@ -388,18 +405,20 @@ class Transport:
         return slots, rounds
 
     def _exchange(self, slots: np.ndarray, rounds: np.ndarray, packets: list[list[bytes]] | list[list[np.ndarray]],
-                  accept: Callable[[int, Header, int], bool | None], resend: Callable[[int], Iterable[int]], *,
+                  accept: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray],
+                  resend: Callable[[int], Iterable[int]], *,
                   tensor: int, policy: LossPolicy, what: str, paced: bool = True,
                   block: np.ndarray | None = None) -> np.ndarray:
         """The one retransmission engine: run uses until each is answered or lost; return which were lost.
 
         Use i (slot ``slots[i]``, round ``rounds[i]``) sends the datagrams ``packets[i]``; at most the
         pacer's window of uses is in flight. A use whose timeout expires sends ``packets[i][k]`` again for
-        each k of ``resend(i)`` (under ``zero-fill``, after ``retries`` tries it is lost instead). Every
-        datagram of this job for a pending use's slot goes to ``accept(i, header, length)``: True, the use
-        is complete; False, accepted but not complete; None, not an answer of the use (counted as
-        unexpected). A straggler notice for the use's round marks it lost. Nothing at all for
-        ``deadline`` seconds raises AggregatorUnreachable (``what`` names the job in the message).
+        each k of ``resend(i)`` (under ``zero-fill``, after ``retries`` tries it is lost instead). The
+        datagrams of this job for pending uses' slots go, a received batch at a time, to ``accept(uses,
+        headers, rows, lengths)``, which returns per datagram 1: its use is complete; 0: accepted, not
+        complete; -1: not an answer of the use (counted as unexpected). A straggler notice for the use's
+        round marks it lost. Nothing at all for ``deadline`` seconds raises AggregatorUnreachable
+        (``what`` names the job in the message).
         ``paced`` False (the norm stage): the uses' timing teaches the pacer nothing, neither round trips
         nor expiries nor answers: a barrier's answer waits for the last worker to reach it (process start,
         compute skew), not for the path. ``block``: the uses' datagrams as the rows of one array (one
@@ -412,7 +431,7 @@ class Transport:
         sent_at = np.zeros(count)
         tries = np.zeros(count, np.int64)
         runs = np.zeros(count, np.int64)  # runs of uses lost on their first send (pacing.extend_loss_runs)
-        by_slot: dict[int, int] = {}
+        use_of_slot = np.full(p.slots, -1, np.int64)  # the pending use of each slot, -1 none
         base = nxt = 0
         last_answer = time.monotonic()
         # Early retransmission (pacing.py, "Loss seen from later answers"): the latest-sent use answered
@@ -458,8 +477,7 @@ class Transport:
                     return lost
             now = time.monotonic()
             n = room(base, nxt)
-            for i in range(nxt, nxt + n):
-                by_slot[int(slots[i])] = i
+            use_of_slot[slots[nxt:nxt + n]] = np.arange(nxt, nxt + n)
             if n and block is not None and self.gso:
                 self._send_run(block[nxt:nxt + n])
             else:
@@ -478,7 +496,7 @@ class Transport:
                 self.pacer.expired(now, int(due.size), burst=burst)
             for i in due.tolist():
                 if policy == "zero-fill" and tries[i] >= cfg.retries:
-                    self._finish_lost(i, int(slots[i]), tensor, done, lost, by_slot)
+                    self._finish_lost(i, int(slots[i]), tensor, done, lost, use_of_slot)
                     continue
                 tries[i] += 1
                 for k in resend(i):
@@ -510,48 +528,58 @@ class Transport:
                     self.stats.window_bound_s += waited
             for sock in ready:
                 while True:
-                    try:
-                        nbytes = self._receive(sock)
-                    except BlockingIOError:
+                    rows, lens = self._receive_batch(sock)
+                    if not len(rows):
                         break
-                    if nbytes < 0:
-                        continue
-                    if nbytes < HEADER_BYTES:
-                        self.stats.unexpected += 1
-                        continue
-                    h = Header.unpack_from(self._rbuf)
-                    i = by_slot.get(h.slot) if h.job == p.job and h.key == p.key else None
-                    if i is None or done[i]:
-                        self.stats.unexpected += 1
+                    hv = header_view(rows)
+                    mine = (lens >= HEADER_BYTES) & (hv["job"] == p.job) & (hv["key"] == p.key)
+                    slot = hv["slot"].astype(np.int64)
+                    use = np.where(mine & (slot < p.slots), use_of_slot[np.minimum(slot, p.slots - 1)], -1)
+                    use[use >= 0] = np.where(done[use[use >= 0]], -1, use[use >= 0])
+                    pending = use >= 0
+                    self.stats.unexpected += int(np.count_nonzero(~pending))
+                    if not pending.any():
                         continue
                     last_answer = time.monotonic()
-                    if h.type == PacketType.STRAGGLER:
+                    notice = pending & (hv["type"] == PacketType.STRAGGLER)
+                    for k in np.flatnonzero(notice).tolist():  # rare: one per use at most
+                        i = int(use[k])
                         ours = int(rounds[i])
-                        if not serial_newer(h.round, ours):
+                        if done[i] or not serial_newer(int(hv["round"][k]), ours):
                             self.stats.unexpected += 1
                             continue
                         self.stats.stragglers += 1
                         if cfg.on_straggler is not None:
-                            cfg.on_straggler(h.slot, ours, h.round)
-                        self._finish_lost(i, h.slot, tensor, done, lost, by_slot)
+                            cfg.on_straggler(int(slots[i]), ours, int(hv["round"][k]))
+                        self._finish_lost(i, int(slots[i]), tensor, done, lost, use_of_slot)
+                    cand = np.flatnonzero(pending & ~notice)
+                    cand = cand[~done[use[cand]]]  # not given up by a notice of this batch
+                    if not cand.size:
                         continue
-                    verdict = accept(i, h, nbytes)
-                    if verdict is None:
-                        self.stats.unexpected += 1
-                    elif verdict:
-                        done[i] = True
-                        progress = min(progress, sent_at[i])
-                        if paced:
-                            if tries[i] == 0:
-                                self.pacer.sample(last_answer - sent_at[i])
-                                if (sent_at[i], i) > (rack_sent, rack_use):
-                                    rack_sent, rack_use = float(sent_at[i]), i
-                                    rack_rtt = last_answer - rack_sent
-                            self.pacer.answered(last_answer)
-                        by_slot.pop(h.slot, None)
-                        self.stats.results += 1
-                        if sock is not self.sock:
-                            self.stats.multicast_results += 1
+                    verdict = accept(use[cand], hv[cand], rows[cand], lens[cand])
+                    self.stats.unexpected += int(np.count_nonzero(verdict < 0))
+                    finished = use[cand[verdict > 0]]
+                    # a use answered twice in one batch counts once (the later copy is unexpected)
+                    first = np.sort(np.unique(finished, return_index=True)[1])
+                    self.stats.unexpected += finished.size - first.size
+                    finished = finished[first]
+                    if not finished.size:
+                        continue
+                    done[finished] = True
+                    use_of_slot[slots[finished]] = -1
+                    progress = min(progress, float(sent_at[finished].min()))
+                    if paced:
+                        clean = finished[tries[finished] == 0]
+                        if clean.size:
+                            self.pacer.sample_many(last_answer - sent_at[clean])
+                            latest = clean[np.lexsort((clean, sent_at[clean]))[-1]]
+                            if (sent_at[latest], latest) > (rack_sent, rack_use):
+                                rack_sent, rack_use = float(sent_at[latest]), int(latest)
+                                rack_rtt = last_answer - rack_sent
+                        self.pacer.answered(last_answer, int(finished.size))
+                    self.stats.results += int(finished.size)
+                    if sock is not self.sock:
+                        self.stats.multicast_results += int(finished.size)
             if last_answer > heard:  # the path spoke: the timers of the uses sent before start now
                 since = heard_since[base:nxt]
                 at = sent_at[base:nxt]
@@ -561,25 +589,29 @@ class Transport:
         return lost
 
     def _finish_lost(self, i: int, slot: int, tensor: int, done: np.ndarray, lost: np.ndarray,
-                     by_slot: dict[int, int]) -> None:
+                     use_of_slot: np.ndarray) -> None:
         done[i] = True
         lost[i] = True
-        by_slot.pop(slot, None)
+        use_of_slot[slot] = -1
         self.stats.lost_chunks += 1
         self.stats.lost.append((tensor, i))
 
-    def _receive(self, sock: socket.socket) -> int:
-        """One datagram into ``self._rbuf``: its length, or -1 when the simulated loss took it.
-
-        Raises BlockingIOError when nothing is waiting. Accepted datagrams go to the pcap, if any.
-        """
-        nbytes, src = sock.recvfrom_into(self._rbuf)
-        if self.cfg.drop_down and self._rng.random() < self.cfg.drop_down:
-            self.stats.dropped_down += 1
-            return -1
+    def _receive_batch(self, sock: socket.socket) -> tuple[np.ndarray, np.ndarray]:
+        """The datagrams waiting on ``sock``, up to RX_BATCH (one recvmmsg): their rows (C-contiguous,
+        one datagram each) and lengths; none when nothing waits. The simulated loss takes its share
+        first; accepted datagrams go to the pcap, if any."""
+        bs = self._rx[sock.fileno()]
+        n = bs.recv()
+        rows, lens, srcs = bs.rx[:n], bs.rx_len[:n], bs.rx_addr[:n]
+        if n and self.cfg.drop_down:
+            keep = self._rng.random(n) >= self.cfg.drop_down
+            self.stats.dropped_down += n - int(np.count_nonzero(keep))
+            rows, lens, srcs = rows[keep], lens[keep], srcs[keep]
         if self.pcap is not None:
-            self.pcap.write(src, sock.getsockname(), bytes(self._rbuf[:nbytes]))
-        return nbytes
+            here = sock.getsockname()
+            for k in range(len(rows)):
+                self.pcap.write(sockaddr_to_tuple(srcs[k]), here, bytes(rows[k, :lens[k]]))
+        return rows, lens
 
     def _send_run(self, rows: np.ndarray) -> None:
         """Send equal-length datagrams (the rows of a C-contiguous array) to the only shard, up to

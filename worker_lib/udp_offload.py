@@ -4,7 +4,7 @@ A ``sendmsg``/``sendmmsg`` message with a ``UDP_SEGMENT`` control message carrie
 ``GSO_SEGMENTS`` datagrams of the cmsg's size back to back (``GSO_BYTES`` in all); the kernel passes
 the run through the socket and IP layers once and cuts it into the datagrams as late as it can (in the
 NIC where it segments UDP). Workers send their windows this way (``worker_lib.transport``) and the
-aggregator its answers (``aggregator.io``); both fall back to one datagram per message where the kernel
+aggregator its answers (``worker_lib.batch_io``); both fall back to one datagram per message where the kernel
 lacks it or refuses a run.
 """
 

@@ -4,7 +4,8 @@ One ``BatchSocket`` receives up to ``batch`` datagrams per system call into the 
 array (one datagram per row, ``stride`` bytes each) together with their IPv4 source addresses, and
 sends a batch of rows to a batch of addresses with one sendmmsg. The message headers are built once
 and patched with numpy, so a batch costs two system calls and no per-packet Python objects. Used by
-the aggregator server and by the raw reflector of benchmarks/aggregator.py (IPv4 only; Linux).
+the aggregator server, the workers' transport (receiving) and the raw reflector of benchmarks/aggregator.py
+(IPv4 only; Linux).
 """
 
 from __future__ import annotations
