@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=("compiled", "numpy"), default="compiled",
                    help="the state table as one compiled loop (numba; default) or as numpy batch operations")
     p.add_argument("--busy-poll", action="store_true", help="spin on the socket instead of sleeping in select")
+    p.add_argument("--gro", action="store_true",
+                   help="read runs of datagrams that arrive whole as one message (UDP_GRO), where the kernel "
+                        "has it; off by default (slower where measured, docs/aggregator.md)")
     p.add_argument("--stats-interval", type=float_in(0, 86400), default=0.0, metavar="SECONDS",
                    help="print packets/s, elements/s, drops, stragglers and completions every SECONDS")
     p.add_argument("--metrics-port", type=port_number,
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--control-token-file needs --control")
         cfg = ServerConfig(host=args.host, port=args.port, shards=args.shards, member=args.member[0],
                            members=args.member[1], batch=args.batch,
-                           multicast=args.multicast, busy_poll=args.busy_poll,
+                           multicast=args.multicast, busy_poll=args.busy_poll, gro=args.gro,
                            stats_interval=args.stats_interval, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, config_path=args.config, jobs=jobs, pcap=args.pcap,
                            control=control, engine=args.engine)

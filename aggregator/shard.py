@@ -97,7 +97,7 @@ class Shard:
                  counters: np.ndarray | None = None, dar_counters: np.ndarray | None = None) -> None:
         self.cfg, self.shard = cfg, shard
         # answers leave as segmentation-offload runs (one per destination), except to a multicast group
-        self.io = BatchSocket(sock, batch=cfg.batch, stride=cfg.stride, gso=not cfg.multicast)
+        self.io = BatchSocket(sock, batch=cfg.batch, stride=cfg.stride, gso=not cfg.multicast, gro=cfg.gro)
         if cfg.multicast:
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(cfg.host))
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)

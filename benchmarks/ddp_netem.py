@@ -57,7 +57,7 @@ def model_args(args: argparse.Namespace) -> list[str]:
     return ["--width", str(args.width), "--layers", str(args.layers), "--in-features", str(args.in_features),
             "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--lr", "0.01", "--deadline", "60", "--mtu", str(args.mtu), "--timeout", str(args.timeout),
-            "--slots", str(args.slots)]
+            "--slots", str(args.slots), *(["--gro"] if args.gro else [])]
 
 
 def elems_for(job_kind: str, args: argparse.Namespace) -> int | None:
@@ -154,7 +154,8 @@ def run_all(args: argparse.Namespace) -> list[dict]:
                 jobs = {m: 10 + i for i, m in enumerate(modes)}
                 agg = None
                 if jobs:
-                    agg = start_aggregator(net, job_configs(args), multicast=any(m.endswith("mcast") for m in modes))
+                    agg = start_aggregator(net, job_configs(args), multicast=any(m.endswith("mcast") for m in modes),
+                                           extra=["--gro"] if args.gro else [])
                 for mode in args.modes:
                     row = measure(net, Run(rate, mode, pct), jobs.get(mode, 9), args, agg.pid if agg else None,
                                   tmp)
@@ -291,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "runs lossless and 1 %% interleaved and compares them (netem, or nftables: whole %%)")
     p.add_argument("--repeats", type=int_in(1, 1000), default=1,
                    help="runs of every configuration, 1..1000 (medians are reported)")
+    p.add_argument("--gro", action="store_true", help="workers and aggregator read runs that arrive whole as one "
+                                                       "message (UDP_GRO); compare with a run without it")
     p.add_argument("--loss-udp-only", action="store_true", help="drop only UDP (gloo's TCP and the rendezvous "
                                                                  "are spared)")
     p.add_argument("--run-timeout", type=float_in(1, 86400), default=300.0,

@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--elems", type=int, help="indices per packet K (default: the aggregator's, MTU-bound)")
     p.add_argument("--mtu", type=int, default=1500, help="path MTU the job's packets must fit (9000: jumbo frames)")
     p.add_argument("--shards", type=int, default=1, help="aggregator shards (ports PORT..PORT+P-1)")
+    p.add_argument("--gro", action="store_true",
+                   help="read runs of answers that arrive whole as one message (UDP_GRO; off by default)")
     p.add_argument("--multicast", metavar="GROUP:PORT", help="results by IP multicast to this group")
     p.add_argument("--loss-policy", choices=("reliable", "zero-fill"), default="reliable")
     p.add_argument("--timeout", type=float, default=0.05,
@@ -191,7 +193,8 @@ def hook_config(args: argparse.Namespace, job: JobConfig, members: list[tuple[st
     return DDPHookConfig(job, aggregator=members[0], more_aggregators=tuple(members[1:]), shards=args.shards,
                          loss_policy=args.loss_policy,
                          timeout=args.timeout, deadline=args.deadline, bind_host=bind,
-                         error_feedback=not args.no_error_feedback, overlap=not args.no_overlap, seed=args.seed)
+                         error_feedback=not args.no_error_feedback, overlap=not args.no_overlap, seed=args.seed,
+                         gro=args.gro)
 
 
 def publish_aggregator(args: argparse.Namespace, stack: contextlib.ExitStack, rank: int, world: int,

@@ -20,7 +20,7 @@ import struct
 
 import numpy as np
 
-from worker_lib.udp_offload import GSO_BYTES, GSO_SEGMENTS, SOL_UDP, UDP_SEGMENT, gso_available
+from worker_lib.udp_offload import GSO_BYTES, GSO_SEGMENTS, SOL_UDP, UDP_GRO, UDP_SEGMENT, enable_gro, gso_available
 
 MSG_DONTWAIT = 0x40
 SOCKADDR_IN_BYTES = 16
@@ -51,6 +51,7 @@ _OFF_LEN = _MMsgHdr.len.offset // 8
 
 _CMSG_WORDS = 3  # CMSG_SPACE(sizeof(uint16_t)) = 24 bytes on 64-bit Linux: len, level | type << 32, data
 _CMSG_LEN = 18  # CMSG_LEN(sizeof(uint16_t))
+_CMSG_LEN_INT = 20  # CMSG_LEN(sizeof(int)): UDP_GRO's segment size (CMSG_SPACE is 24 bytes as well)
 
 
 def _libc() -> ctypes.CDLL:
@@ -82,12 +83,33 @@ class BatchSocket:
     """A UDP socket with batched receive and send over preallocated buffers."""
 
     def __init__(self, sock: socket.socket, *, batch: int = 256, stride: int = 9216,
-                 max_send: int | None = None, gso: bool = False) -> None:
+                 max_send: int | None = None, gso: bool = False, gro: bool = False) -> None:
         _check_abi()
         if sock.family != socket.AF_INET or sock.type != socket.SOCK_DGRAM:
             raise ValueError("BatchSocket needs an IPv4 UDP socket")
         self.sock, self.fd, self.batch, self.stride = sock, sock.fileno(), batch, stride
         self.libc = _libc()
+        # Coalesced receive (UDP_GRO): up to ``_gro_batch`` messages (a quarter of ``batch``) of up to 64
+        # datagrams each per call, read into 64 kB rows and cut into the ``rx`` rows, which then hold up to
+        # 64 x ``_gro_batch`` datagrams.
+        self.gro = gro and enable_gro(sock)
+        self.gro_messages = 0  #: messages that carried more than one datagram
+        if self.gro:
+            self._gro_batch = max(1, batch // 4)
+            self._gro_raw = np.zeros((self._gro_batch, 1 << 16), np.uint8)
+            self._gro_addr = np.zeros((self._gro_batch, SOCKADDR_IN_BYTES), np.uint8)
+            self._gro_ctrl = np.zeros((self._gro_batch, _CMSG_WORDS), np.uint64)
+            self._gro_iov = np.zeros((self._gro_batch, 2), np.uint64)
+            self._gro_iov[:, 0] = self._gro_raw.ctypes.data + np.arange(self._gro_batch, dtype=np.uint64) * (1 << 16)
+            self._gro_iov[:, 1] = 1 << 16
+            self._gro_msgs = np.zeros((self._gro_batch, _WORDS), np.uint64)
+            at = np.arange(self._gro_batch, dtype=np.uint64)
+            self._gro_msgs[:, _OFF_NAME] = self._gro_addr.ctypes.data + at * SOCKADDR_IN_BYTES
+            self._gro_msgs[:, _OFF_IOV] = self._gro_iov.ctypes.data + at * 16
+            self._gro_msgs[:, _OFF_IOVLEN] = 1
+            self._gro_msgs[:, _OFF_CONTROL] = self._gro_ctrl.ctypes.data + at * (_CMSG_WORDS * 8)
+            self._gro_msgs_at = self._gro_msgs.ctypes.data
+            batch = self.batch = self._gro_batch * GSO_SEGMENTS
         # Receive side.
         self.rx = np.zeros((batch, stride), np.uint8)
         self.rx_addr = np.zeros((batch, SOCKADDR_IN_BYTES), np.uint8)
@@ -140,8 +162,11 @@ class BatchSocket:
         """Receive up to ``batch`` waiting datagrams without blocking; returns how many.
 
         Row i of ``rx`` holds datagram i, ``rx_len[i]`` its length (truncated at ``stride``: the
-        caller's length checks then drop it), ``rx_addr[i]`` its source sockaddr_in.
+        caller's length checks then drop it), ``rx_addr[i]`` its source sockaddr_in. With ``gro``, a
+        coalesced run is cut back into its datagrams, in order.
         """
+        if self.gro:
+            return self._recv_gro()
         msgs = self._rx_msgs
         msgs[:self._rx_used, _OFF_NAMELEN] = SOCKADDR_IN_BYTES
         n = self.libc.recvmmsg(self.fd, self._rx_msgs_at, self.batch, MSG_DONTWAIT, None)
@@ -154,6 +179,47 @@ class BatchSocket:
         self._rx_used = n
         self.rx_len[:n] = msgs[:n, _OFF_LEN] & 0xFFFFFFFF
         return n
+
+    def _recv_gro(self) -> int:
+        """recvmmsg into the 64 kB rows, then each message's datagrams into the ``rx`` rows: a message
+        with a UDP_GRO cmsg holds datagrams of its segment size back to back (the last may be shorter)."""
+        msgs = self._gro_msgs
+        msgs[:, _OFF_NAMELEN] = SOCKADDR_IN_BYTES
+        msgs[:, _OFF_CONTROLLEN] = _CMSG_WORDS * 8
+        n = self.libc.recvmmsg(self.fd, self._gro_msgs_at, self._gro_batch, MSG_DONTWAIT, None)
+        if n < 0:
+            err = ctypes.get_errno()
+            if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
+                return 0
+            raise OSError(err, os.strerror(err))
+        lens = (msgs[:n, _OFF_LEN] & 0xFFFFFFFF).astype(np.int64)
+        ctrl = self._gro_ctrl[:n]
+        has = (msgs[:n, _OFF_CONTROLLEN] >= _CMSG_LEN_INT) & (ctrl[:, 1] == np.uint64(SOL_UDP | (UDP_GRO << 32)))
+        seg = np.where(has, (ctrl[:, 2] & 0xFFFFFFFF).astype(np.int64), lens)
+        seg = np.maximum(seg, 1)
+        counts = np.maximum(1, -(-lens // seg))
+        multi = counts > 1
+        if not multi.any():  # every message one datagram: one copy for all
+            keep = min(self.stride, int(lens.max()) if n else 0)
+            self.rx[:n, :keep] = self._gro_raw[:n, :keep]
+            self.rx_len[:n] = np.minimum(lens, self.stride)
+            self.rx_addr[:n] = self._gro_addr[:n]
+            return n
+        self.gro_messages += int(np.count_nonzero(multi))
+        out = 0
+        for k in range(n):  # per message (up to 64 datagrams each), not per datagram
+            c, s, length = int(counts[k]), int(seg[k]), int(lens[k])
+            whole = (c - 1) * s
+            cut = min(s, self.stride)
+            if c > 1:
+                self.rx[out:out + c - 1, :cut] = self._gro_raw[k, :whole].reshape(c - 1, s)[:, :cut]
+                self.rx_len[out:out + c - 1] = cut
+            last = length - whole
+            self.rx[out + c - 1, :min(last, self.stride)] = self._gro_raw[k, whole:whole + min(last, self.stride)]
+            self.rx_len[out + c - 1] = min(last, self.stride)
+            self.rx_addr[out:out + c] = self._gro_addr[k]
+            out += c
+        return out
 
     def send(self, buf: np.ndarray, rows: np.ndarray, lengths: np.ndarray, addrs: np.ndarray) -> int:
         """Send row ``rows[k]`` of ``buf`` (``lengths[k]`` bytes) to ``addrs[k]`` (sockaddr_in) for all k.

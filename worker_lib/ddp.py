@@ -87,6 +87,7 @@ class DDPHookConfig:
     error_feedback: bool = True
     overlap: bool = True  #: exchange on a background thread (overlaps backward); False: inside the hook
     seed: int = 0  #: seeds the stochastic quantization (mixed with the rank)
+    gro: bool = False  #: read answers that arrive as one run as one message (UDP_GRO; TransportConfig.gro)
 
     def __post_init__(self) -> None:
         if self.job.kind not in ("thc", "uncompressed"):
@@ -116,7 +117,7 @@ class DDPHookConfig:
                                more_aggregators=tuple((h, int(p)) for h, p in self.more_aggregators),
                                shards=self.shards, loss_policy=self.loss_policy, timeout=self.timeout,
                                retries=self.retries, deadline=self.deadline, window=self.window, seed=self.seed,
-                               bind_host=self.bind_host, multicast=self.job.multicast)
+                               bind_host=self.bind_host, multicast=self.job.multicast, gro=self.gro)
 
 
 @dataclass

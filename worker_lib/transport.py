@@ -93,6 +93,9 @@ class TransportConfig:
     window: int | None = None  #: uses in flight (default and maximum: the job's slots)
     congestion_control: bool = True  #: a congestion window below ``window`` (reliable policy only; pacing.py)
     initial_window: int = 16  #: the congestion window's first size, in uses
+    #: read answers that arrive as one run (the aggregator's GSO answers) as one message (UDP_GRO); off
+    #: by default: slower where it was measured (docs/aggregator.md)
+    gro: bool = False
     #: send a run of new uses as one UDP GSO datagram (UDP_SEGMENT) where the kernel has it
     gso: bool = True
     drop_up: float = 0.0  #: simulated loss of sent packets (seeded, for tests and experiments)
@@ -203,7 +206,8 @@ class Transport:
         # Answers are read RX_BATCH at a time (recvmmsg) into rows as long as the job's path MTU allows,
         # and judged as arrays: no Python per datagram on the receive path.
         stride = max(p.mtu, HEADER_BYTES + DAR_PREFIX_BYTES + 64)
-        self._rx = {s.fileno(): BatchSocket(s, batch=RX_BATCH, stride=stride, max_send=1) for s in self.socks}
+        self._rx = {s.fileno(): BatchSocket(s, batch=RX_BATCH, stride=stride, max_send=1, gro=cfg.gro)
+                    for s in self.socks}
         self._dests = cfg.destinations
         self.pcap = PcapWriter(cfg.pcap) if cfg.pcap is not None else None
         # Segmentation offload sends whole runs; the per-datagram paths (simulated loss, pcap, several
