@@ -506,7 +506,9 @@ class Transport:
                 for k in resend(i):
                     self.stats.retransmissions += 1
                     self._send(packets[i][k], int(slots[i]))
-                sent_at[i] = now
+                # stamped after this pass's first sends, which left before it: an answer to one of those
+                # must not make this resend look sent earlier than it (RACK would resend it again)
+                sent_at[i] = time.monotonic()
                 heard_since[i] = math.inf
             if now - last_answer > cfg.deadline:
                 where = ", ".join(f"{h}:{p}" for h, p in (cfg.aggregator, *cfg.more_aggregators))
