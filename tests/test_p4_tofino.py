@@ -18,7 +18,15 @@ from pathlib import Path
 import pytest
 
 import p4gen.tofino as gen
-from aggregator.bfrt import EGRESS_REGISTERS, INGRESS_REGISTERS, TofinoJob, TofinoPlan, bfrt_load_script
+from aggregator.bfrt import (
+    EGRESS_REGISTERS,
+    INGRESS_REGISTERS,
+    TofinoJob,
+    TofinoPlan,
+    TofinoProgram,
+    bfrt_load_script,
+    tofino_geometry,
+)
 from tests.p4_support import INCLUDE_DIR, P4_DIR
 from tests.test_p4_headers import parse_consts
 from worker_lib.job import JobConfig
@@ -280,24 +288,35 @@ def test_validation_table_is_the_protocols_check_order(elems: int, bits: int) ->
     assert rows[-1][0] == "no THC header parsed" or rows[-1][0].startswith("UDP payload shorter")
 
 
-def test_bf_p4c_compiles_for_tofino1(tmp_path: Path) -> None:
-    """Where the Tofino back end (bf-p4c) is installed, the program compiles for Tofino 1, and every table,
-    key, action, parameter, register and counter that the bfrt load and stats scripts name exists in the
-    compiler's bfrt.json under that name."""
+@pytest.mark.parametrize("target", ["tofino", "tofino2"])
+def test_bf_p4c_compiles_the_program(tmp_path: Path, target: str) -> None:
+    """Where the Tofino back end (bf-p4c) is installed, the program compiles for Tofino 1 (the checked-in
+    file, K = 48) and Tofino 2 (rendered with --target tofino2, K = 96), and every table, key, action,
+    parameter, register and counter that the bfrt load and stats scripts name exists in the compiler's
+    bfrt.json under that name."""
     bf = shutil.which("bf-p4c") or shutil.which("p4c-barefoot")
     if bf is None:
         pytest.skip("needs bf-p4c or p4c-barefoot (the Tofino compiler back end, p4c backends/tofino or Intel's "
                     "SDE) on PATH; p4src/tofino/README.md says what it reported of this program where it ran")
+    g = gen.TofinoGeometry(target=target)
+    program = PROGRAM
+    if target != "tofino":
+        program = tmp_path / "src" / "thc.p4"
+        program.parent.mkdir()
+        program.write_text(gen.render(g))
+        shutil.copy(P4_DIR / "tofino" / "parser.p4", program.parent / "parser.p4")
     out = tmp_path / "out"
-    cmd = [bf, "--target", "tofino", "--arch", "tna", "-I", str(INCLUDE_DIR), "-o", str(out), str(PROGRAM)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+    arch = {"tofino": "tna", "tofino2": "t2na"}[target]
+    cmd = [bf, "--target", target, "--arch", arch, "-I", str(INCLUDE_DIR), "-o", str(out), str(program)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3000, check=False)
     assert proc.returncode == 0, f"bf-p4c failed:\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}"
-    assert (out / "pipe" / "tofino.bin").is_file()
+    assert (out / "pipe" / f"{target}.bin").is_file()
 
     bfrt = {t["name"]: t for t in json.loads((out / "bfrt.json").read_text())["tables"]}
-    job = JobConfig(job=7, workers=3, threshold=2, elems=gen.TofinoGeometry().elems, result_bits=8, slots=16)
+    job = JobConfig(job=7, workers=3, threshold=2, elems=g.elems, result_bits=8, slots=16)
     plan = TofinoPlan(jobs=(TofinoJob(job, (1, 2, 3)),), services=(("10.0.0.100", "02:00:00:00:01:00"),),
-                      routes=(("10.0.1.0/24", "00:00:00:00:00:07", 7),))
+                      routes=(("10.0.1.0/24", "00:00:00:00:00:07", 7),),
+                      program=TofinoProgram(geometry=tofino_geometry(g)))
     calls = re.findall(r"^ing\.([\w.]+)\.add_with_(\w+)\((.*)\)$", bfrt_load_script(plan), re.M)
     assert calls
     suffix = {"Exact": [""], "LPM": ["", "_p_length"], "Ternary": ["", "_mask"]}
@@ -306,7 +325,7 @@ def test_bf_p4c_compiles_for_tofino1(tmp_path: Path) -> None:
         keys = {k["name"].rsplit(".", 1)[-1] + sfx for k in t["key"] if not k["name"].startswith("$")
                 for sfx in suffix[k["match_type"]]}
         keys |= {k["name"][1:] for k in t["key"] if k["name"] == "$MATCH_PRIORITY"}
-        control = f"ThcIngress.{table.rpartition('.')[0]}".rstrip(".")  # an element's actions are its control's
+        control = f"ThcIngress.{table.rpartition('.')[0]}".rstrip(".")  # a lookup's actions are its control's
         spec = next(a for a in t["action_specs"] if a["name"] == f"{control}.{action}")
         given = {kw.split("=", 1)[0].strip() for kw in args.split(",")}
         assert given == keys | {p["name"] for p in spec["data"]}, (table, action)
