@@ -43,8 +43,8 @@ MARKERS = ("@CONFIG@", "@PAYLOAD_HEADERS@", "@ELEMENT_INSTANCES@", "@ELEMENT_APP
 # entries per job) and returns both values in their lanes. The largest K each target compiles to is
 # what bf-p4c placed (p4src/tofino/README.md has the resource tables and what stops a larger K).
 TARGETS = {  # target -> (architecture include, most elements per packet, default recirculation port)
-    "tofino": ("tna.p4", 48, 68),     # Tofino 1, 12 stages; port 68: pipe 0's recirculation port
-    "tofino2": ("t2na.p4", 96, 6),    # Tofino 2, 20 stages; port 6: a recirculation port of pipe 0
+    "tofino": ("tna.p4", 64, 68),     # Tofino 1, 12 stages; port 68: pipe 0's recirculation port
+    "tofino2": ("t2na.p4", 160, 6),   # Tofino 2, 20 stages; port 6: a recirculation port of pipe 0
 }
 MAX_WORKERS = 32  # one 32-bit bitmap cell per bank
 WORD_BITS = 32  # a sum register cell: the lanes of one stateful ALU

@@ -97,7 +97,7 @@ def test_program_uses_the_shared_headers_and_parser() -> None:
     assert "pkt.extract(hdr.thc);" in egress and "hdr.data" not in egress and "hdr.norm" not in egress
 
 
-@pytest.mark.parametrize(("elems", "bits", "rbits"), [(8, 2, 8), (24, 4, 8), (16, 8, 16), (24, 4, 16), (48, 4, 8)])
+@pytest.mark.parametrize(("elems", "bits", "rbits"), [(8, 2, 8), (24, 4, 8), (16, 8, 16), (24, 4, 16), (64, 4, 8)])
 def test_payload_headers_follow_the_geometry(elems: int, bits: int, rbits: int) -> None:
     """The payload as the wire has it, cut where the tables and registers take it: the DATA payload in
     lookup keys of two adjacent indices where 2 b <= 8 (else one), the RESULT payload in 32-bit words
@@ -142,13 +142,13 @@ def test_payload_headers_follow_the_geometry(elems: int, bits: int, rbits: int) 
 
 
 def test_tofino2_program_includes_t2na() -> None:
-    """--target tofino2 renders the same program on t2na.p4, with K = 96 and pipe 0's recirculation port 6 by
-    default; tofino renders it on tna.p4 with K = 48 and port 68."""
+    """--target tofino2 renders the same program on t2na.p4, with K = 160 and pipe 0's recirculation port 6
+    by default; tofino renders it on tna.p4 with K = 64 and port 68."""
     t2 = gen.render(gen.TofinoGeometry(target="tofino2"))
     t1 = gen.render(gen.TofinoGeometry())
     assert "#include <t2na.p4>" in t2 and "#include <tna.p4>" not in t2
     assert "#include <tna.p4>" in t1 and "#include <t2na.p4>" not in t1
-    assert parse_consts(t2)["THC_K"] == 96 and parse_consts(t1)["THC_K"] == 48
+    assert parse_consts(t2)["THC_K"] == 160 and parse_consts(t1)["THC_K"] == 64
     assert "THC_RECIRC_PORT = 6;" in t2 and "THC_RECIRC_PORT = 68;" in t1
 
 
@@ -172,7 +172,7 @@ def test_program_keeps_tofinos_register_rules() -> None:
     regs = re.findall(r"Register<([^,]+),\s*bit<(?:16|32)>>\((\w+)\)\s+(\w+);", code)
     assert regs, "no Register declarations found"
     words = len(re.findall(r"ThcWord\(\) word_\d+;", code))
-    assert words == 48 // 4 and len(regs) - 1 + words <= 12 * 4
+    assert words == 64 // 4 and len(regs) - 1 + words <= 12 * 4
     widths = {"bit<8>": 8, "bit<16>": 16, "bit<32>": 32,
               "bit<THC_RESULT_BITS>": parse_consts(code)["THC_RESULT_BITS"]}
     for cell, _size, name in regs:
@@ -182,7 +182,7 @@ def test_program_keeps_tofinos_register_rules() -> None:
     assert "for (" not in code and "while" not in code
 
 
-@pytest.mark.parametrize("bad", [dict(elems=12), dict(elems=56), dict(elems=104, target="tofino2"), dict(bits=0),
+@pytest.mark.parametrize("bad", [dict(elems=12), dict(elems=72), dict(elems=168, target="tofino2"), dict(bits=0),
                                  dict(bits=9), dict(result_bits=32), dict(slots=0), dict(jobs=4096),
                                  dict(recirc_port=512), dict(target="tofino3")])
 def test_bad_geometry_is_refused(bad: dict) -> None:
@@ -199,7 +199,7 @@ def test_p4test_front_end_accepts_the_program() -> None:
 
 
 @pytest.mark.parametrize(("elems", "bits", "rbits", "target"), [(8, 4, 8, "tofino"), (16, 4, 16, "tofino"),
-                                                                 (16, 8, 16, "tofino"), (96, 4, 8, "tofino2")])
+                                                                 (16, 8, 16, "tofino"), (160, 4, 8, "tofino2")])
 def test_p4test_accepts_other_geometries(tmp_path: Path, elems: int, bits: int, rbits: int, target: str) -> None:
     """Other geometries of the generator, and Tofino 2's program on t2na.p4, also pass the front end
     (rendered next to a copy of parser.p4)."""
@@ -291,7 +291,7 @@ def test_validation_table_is_the_protocols_check_order(elems: int, bits: int) ->
 @pytest.mark.parametrize("target", ["tofino", "tofino2"])
 def test_bf_p4c_compiles_the_program(tmp_path: Path, target: str) -> None:
     """Where the Tofino back end (bf-p4c) is installed, the program compiles for Tofino 1 (the checked-in
-    file, K = 48) and Tofino 2 (rendered with --target tofino2, K = 96), and every table, key, action,
+    file, K = 64) and Tofino 2 (rendered with --target tofino2, K = 160), and every table, key, action,
     parameter, register and counter that the bfrt load and stats scripts name exists in the compiler's
     bfrt.json under that name."""
     bf = shutil.which("bf-p4c") or shutil.which("p4c-barefoot")

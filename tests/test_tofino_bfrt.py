@@ -46,8 +46,8 @@ GEN = 0x1234
 CALL = re.compile(r"^ing\.([\w.]+)\.add_with_(\w+)\((.*)\)$")
 
 
-def sample_job(elems: int = 48) -> JobConfig:
-    """A THC job of 3 workers, 8-bit sums; K = 48 is the default Tofino program's, 32 the BMv2 one's."""
+def sample_job(elems: int = 64) -> JobConfig:
+    """A THC job of 3 workers, 8-bit sums; K = 64 is the default Tofino program's, 32 the BMv2 one's."""
     return JobConfig(job=7, key=0x54484321, workers=3, threshold=2, elems=elems, result_bits=8, slots=16)
 
 
@@ -112,10 +112,10 @@ def expected_job_calls(cfg: JobConfig, job_index: int, slot_base: int, mcast_grp
 
 def test_default_geometry_is_the_generators() -> None:
     """The control plane's Tofino geometry is the one p4gen/tofino.py renders thc.p4 with: Tofino 1, K =
-    48 of 4 bits, 8-bit sums, lookups of two adjacent indices named lookup_<m> keyed on indices."""
-    assert DEFAULT_TOFINO_GEOMETRY == ProgramGeometry(48, 4, 8, 4096, 8, lookup_indices=2, lookup_control="lookup",
+    64 of 4 bits, 8-bit sums, lookups of two adjacent indices named lookup_<m> keyed on indices."""
+    assert DEFAULT_TOFINO_GEOMETRY == ProgramGeometry(64, 4, 8, 4096, 8, lookup_indices=2, lookup_control="lookup",
                                                       lookup_key="indices")
-    assert gen_tofino.TofinoGeometry().elems == 48 and gen_tofino.TofinoGeometry(target="tofino2").elems == 96
+    assert gen_tofino.TofinoGeometry().elems == 64 and gen_tofino.TofinoGeometry(target="tofino2").elems == 160
 
 
 def test_reset_covers_every_register_of_the_program() -> None:
@@ -142,7 +142,7 @@ def test_reset_covers_every_register_of_the_program() -> None:
 
 
 def test_bfrt_script_installs_the_expected_entries() -> None:
-    """Lookup entries (job row, two indices) -> their T values in two lanes for the 24 lookups of the 48
+    """Lookup entries (job row, two indices) -> their T values in two lanes for the 32 lookups of the 64
     elements, the job entry with the job's configuration, PRE nodes (rid = row * 32 + worker, one port
     each) and the group of those nodes."""
     cfg = sample_job()
@@ -209,7 +209,7 @@ def test_services_routes_and_two_jobs() -> None:
     """Service and LPM route entries; a second job gets the next row, the next slot range, group 2 and
     its own PRE node ids and replication ids (row 1: 32 + worker)."""
     a = sample_job()
-    b = JobConfig(job=8, key=1, workers=2, elems=48, result_bits=8, slots=8)
+    b = JobConfig(job=8, key=1, workers=2, elems=64, result_bits=8, slots=8)
     plan = TofinoPlan(jobs=(TofinoJob(a, (1, 2, 3)), TofinoJob(b, (4, 5))),
                       services=(("10.0.0.100", "02:00:00:00:01:00"),),
                       routes=(("10.0.1.0/24", "00:00:00:00:00:07", 7),))
@@ -226,7 +226,7 @@ def test_services_routes_and_two_jobs() -> None:
 
 
 def test_a_job_the_program_cannot_aggregate_is_refused() -> None:
-    """K other than the compiled 48, or more ports than workers: JobRefused, naming the problem."""
+    """K other than the compiled 64, or more ports than workers: JobRefused, naming the problem."""
     with pytest.raises(JobRefused, match="K = 16"):
         bfrt_load_script(TofinoPlan(jobs=(TofinoJob(JobConfig(workers=2, elems=16, result_bits=8), (1, 2)),)))
     with pytest.raises(JobRefused, match="ports"):
@@ -267,7 +267,7 @@ def test_without_the_sde_scripts_are_written_not_run(tmp_path: Path, monkeypatch
     with pytest.raises(BfrtUnavailable, match=r"\$SDE"):
         bfshell()
     out = tmp_path / "load.py"
-    rc = cli_main(["load", "--target", "tofino", "--job", "job=7,workers=2,elems=48,result_bits=8",
+    rc = cli_main(["load", "--target", "tofino", "--job", "job=7,workers=2,elems=64,result_bits=8",
                    "--ports", "1,2", "--output", str(out)])
     assert rc == 0 and "ing.thc_jobs.add_with_job_config(job=0x7," in out.read_text()
     assert "script not run" in capsys.readouterr().err
@@ -288,15 +288,15 @@ def test_with_an_sde_thc_switch_runs_the_scripts(tmp_path: Path, monkeypatch: py
     shell.chmod(shell.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("SDE", str(sde))
     script = tmp_path / "load.py"
-    rc = cli_main(["load", "--target", "tofino", "--job", "job=7,workers=2,elems=48,result_bits=8",
+    rc = cli_main(["load", "--target", "tofino", "--job", "job=7,workers=2,elems=64,result_bits=8",
                    "--ports", "1,2", "--output", str(script)])
     assert rc == 0 and log.read_text().split() == ["-b", str(script)]
     capsys.readouterr()
     assert cli_main(["stats", "--target", "tofino"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert got["RX"] == 11 and got["ELEMENTS"] == 2 * 48 and got["ACCEPTED"] == 3
-    assert cli_main(["stats", "--target", "tofino2"]) == 0  # Tofino 2's program: K = 96 by default
-    assert json.loads(capsys.readouterr().out)["ELEMENTS"] == 2 * 96
+    assert got["RX"] == 11 and got["ELEMENTS"] == 2 * 64 and got["ACCEPTED"] == 3
+    assert cli_main(["stats", "--target", "tofino2"]) == 0  # Tofino 2's program: K = 160 by default
+    assert json.loads(capsys.readouterr().out)["ELEMENTS"] == 2 * 160
     assert cli_main(["stats", "--target", "tofino", "--elems", "16"]) == 0
     assert json.loads(capsys.readouterr().out)["ELEMENTS"] == 2 * 16
 
@@ -315,10 +315,10 @@ def test_script_names_exist_in_the_tofino_program() -> None:
     plan = TofinoPlan(jobs=(TofinoJob(sample_job(), (1, 2, 3)),), services=(("10.0.0.100", "02:00:00:00:01:00"),),
                       routes=(("10.0.1.0/24", "00:00:00:00:00:07", 7),))
     calls = parse_calls(bfrt_load_script(plan, generation=GEN))
-    assert {t for t, _, _ in calls} == {f"lookup_{m}.lookup" for m in range(24)} | {"thc_jobs", "thc_service",
+    assert {t for t, _, _ in calls} == {f"lookup_{m}.lookup" for m in range(32)} | {"thc_jobs", "thc_service",
                                                                                       "ipv4_lpm"}
     instances = re.findall(r"ThcLookup\(\) (lookup_\d+);", code)
-    assert instances == [f"lookup_{m}" for m in range(24)]
+    assert instances == [f"lookup_{m}" for m in range(32)]
     suffix = {"lpm": ["_p_length"], "ternary": ["_mask"], "exact": []}
     for table, action, kw in calls:
         table = table.rsplit(".", 1)[-1]  # a lookup's table (lookup_3.lookup) is ThcLookup's lookup
@@ -334,8 +334,8 @@ def test_script_names_exist_in_the_tofino_program() -> None:
 def test_cli_geometry_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                              capsys: pytest.CaptureFixture[str]) -> None:
     """--geometry tells thc-switch the program was generated for another K: a K = 16 job is refused by the
-    default (K = 48) and installed with 8 lookup tables (two indices each) under --geometry 16,4,16,4096,8;
-    a geometry the generator refuses is one line; --target tofino2 takes K = 96 by default."""
+    default (K = 64) and installed with 8 lookup tables (two indices each) under --geometry 16,4,16,4096,8;
+    a geometry the generator refuses is one line; --target tofino2 takes K = 160 by default."""
     monkeypatch.delenv("SDE", raising=False)
     spec = "job=3,workers=2,elems=16,result_bits=16"
     assert cli_main(["load", "--target", "tofino", "--job", spec, "--ports", "1,2", "--no-run"]) == 1
@@ -347,8 +347,8 @@ def test_cli_geometry_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert tables == {f"lookup_{m}.lookup" for m in range(8)} | {"thc_jobs"}
     assert cli_main(["load", "--target", "tofino", "--job", spec, "--ports", "1,2", "--no-run",
                      "--geometry", "96,4,8,4096,8"]) == 1
-    assert "at most 48 for tofino" in capsys.readouterr().err
-    spec96 = "job=3,workers=2,elems=96,result_bits=8"
-    assert cli_main(["load", "--target", "tofino2", "--job", spec96, "--ports", "1,2", "--no-run",
+    assert "at most 64 for tofino" in capsys.readouterr().err
+    spec160 = "job=3,workers=2,elems=160,result_bits=8"
+    assert cli_main(["load", "--target", "tofino2", "--job", spec160, "--ports", "1,2", "--no-run",
                      "--output", str(out)]) == 0
-    assert {t for t, _, _ in parse_calls(out.read_text())} == {f"lookup_{m}.lookup" for m in range(48)} | {"thc_jobs"}
+    assert {t for t, _, _ in parse_calls(out.read_text())} == {f"lookup_{m}.lookup" for m in range(80)} | {"thc_jobs"}
