@@ -16,8 +16,14 @@
 # --with-testgen (or WITH_TESTGEN=1) also builds P4Testgen (p4testgen, its bmv2 target) from the same p4c
 # sources, for python -m p4gen.testgen: about 40 more minutes. It needs z3 4.8.14..4.11 (Debian 12 has
 # 4.8.12: the z3 library and headers are taken from PyPI's z3-solver 4.11.2.0 wheel, pip download) and
-# the inja template library at the commit p4c pins (INJA_SRC, or cloned). The Tofino back end (bf-p4c)
-# and P4Testgen's tofino target need p4c HEAD with Abseil, protobuf 25: not built here.
+# the inja template library at the commit p4c pins (INJA_SRC, or cloned).
+#
+# --with-tofino (or WITH_TOFINO=1) also builds the Tofino back end (bf-p4c, p4c-barefoot, bfas) and
+# P4Testgen with its tofino target from p4c at $TNA_COMMIT, whose cmake wants Abseil, protobuf 25 and
+# other pinned sources (cloned, or *_SRC: ABSEIL_SRC PROTOBUF_SRC INJA_SRC BDWGC_SRC SPDLOG_SRC, and
+# P4C_HEAD_SRC for p4c itself), into $TOFINO_PREFIX (default /opt/p4c-head; bf-p4c is linked into
+# $PREFIX/bin): about 70 minutes on 2 cores. Two small patches make that commit build with Debian 12's
+# GCC 12 and run its driver (see build_tofino).
 set -euo pipefail
 
 # ---- versions, pinned in one place ---------------------------------------------------------------
@@ -28,6 +34,14 @@ P4RUNTIME_COMMIT=1e771c4e05c4e7e250df00212b3ca02ee3202d71  # what p4c v1.2.4.8 f
 TNA_COMMIT=34b86e9bac  # a p4c commit whose backends/tofino holds tna.p4 (for p4test on the Tofino program)
 INJA_COMMIT=3741c73ba78babd2ed88f2acf2fcd6dafdb878e8  # what p4c v1.2.4.8's testgen fetches
 Z3_WHEEL=z3-solver==4.11.2.0  # the z3 p4c v1.2.4.8's P4Testgen is written for (it accepts 4.8.14..4.11)
+# what p4c $TNA_COMMIT pins (cmake/Abseil.cmake, cmake/Protobuf.cmake, CMakeLists.txt, cmake/BDWGC.cmake,
+# backends/p4tools/modules/testgen/CMakeLists.txt, backends/tofino/cmake/spdlog.cmake, tools/ci-build.sh)
+ABSEIL_TAG=20240722.1
+PROTOBUF_TAG=v25.3
+HEAD_P4RUNTIME_COMMIT=ec4eb5ef70dbcbcbf2f8357a4b2b8c2f218845a5
+BDWGC_COMMIT=7f1503dbfe254e77678666a0e09b735add064b57
+SPDLOG_TAG=v1.8.3
+TOFINO_PY_PACKAGES=(jsl==0.2.4 pyinstaller==6.11.0 jsonschema==4.23.0 pyyaml==6.0.2)
 
 PREFIX=${PREFIX:-/usr/local}
 JOBS=${JOBS:-$(nproc)}
@@ -36,10 +50,13 @@ mkdir -p "$WORK/src" "$WORK/logs"
 
 FORCE=${FORCE:-0}
 WITH_TESTGEN=${WITH_TESTGEN:-0}
+WITH_TOFINO=${WITH_TOFINO:-0}
+TOFINO_PREFIX=${TOFINO_PREFIX:-/opt/p4c-head}
 for arg in "$@"; do
     case $arg in
         --with-testgen) WITH_TESTGEN=1 ;;
-        *) echo "build-p4-toolchain: unknown argument $arg (the only one is --with-testgen)" >&2; exit 2 ;;
+        --with-tofino) WITH_TOFINO=1 ;;
+        *) echo "build-p4-toolchain: unknown argument $arg (known: --with-testgen, --with-tofino)" >&2; exit 2 ;;
     esac
 done
 
@@ -189,6 +206,64 @@ build_testgen() {
         && install -m 755 backends/p4tools/modules/testgen/p4testgen '$PREFIX/bin/p4testgen'"
 }
 
+# build_tofino: p4c at $TNA_COMMIT with the Tofino back end and P4Testgen's tofino target.
+build_tofino() {
+    local src="$WORK/src/p4c-head" deps="$WORK/src/p4c-head-deps" venv="$WORK/venv-p4c-head" p4c_repo=$1
+    if [ "$FORCE" != 1 ] && [ -x "$TOFINO_PREFIX/bin/bf-p4c" ] && [ -x "$TOFINO_PREFIX/bin/p4testgen" ]; then
+        log "Tofino back end: $TOFINO_PREFIX/bin/bf-p4c installed, skipped"
+        ln -sf "$TOFINO_PREFIX/bin/bf-p4c" "$PREFIX/bin/bf-p4c"
+        return
+    fi
+    stage "packages for the Tofino back end" tofino-apt.log apt-get install -y -qq --no-install-recommends \
+        rapidjson-dev python3-venv
+    [ -e "$WORK/z3/include/z3.h" ] && [ -e "$PREFIX/lib/libz3.so" ] || stage "z3 for P4Testgen" z3.log install_z3
+    # p4c itself at $TNA_COMMIT (P4C_HEAD_SRC: an export of that commit), and the sources its cmake pins
+    if [ -z "${P4C_HEAD_SRC:-}" ]; then
+        git -C "$p4c_repo" cat-file -e "$TNA_COMMIT^{commit}" 2>/dev/null || git -C "$p4c_repo" fetch -q origin "$TNA_COMMIT"
+        rm -rf "$src" && mkdir -p "$src"
+        git -C "$p4c_repo" archive "$TNA_COMMIT" | tar -x -C "$src"
+    else
+        src=$P4C_HEAD_SRC
+    fi
+    mkdir -p "$deps"
+    local abseil protobuf p4runtime inja bdwgc spdlog
+    abseil=$(source_dir p4c-head-deps/abseil "${ABSEIL_SRC:-}" https://github.com/abseil/abseil-cpp.git "$ABSEIL_TAG")
+    protobuf=$(source_dir p4c-head-deps/protobuf "${PROTOBUF_SRC:-}" https://github.com/protocolbuffers/protobuf.git \
+        "$PROTOBUF_TAG")
+    p4runtime=$(source_dir p4c-head-deps/p4runtime "" https://github.com/p4lang/p4runtime.git "$HEAD_P4RUNTIME_COMMIT")
+    inja=$(source_dir inja "${INJA_SRC:-}" https://github.com/pantor/inja.git "$INJA_COMMIT")
+    bdwgc=$(source_dir p4c-head-deps/bdwgc "${BDWGC_SRC:-}" https://github.com/ivmai/bdwgc.git "$BDWGC_COMMIT")
+    spdlog=$(source_dir p4c-head-deps/spdlog "${SPDLOG_SRC:-}" https://github.com/gabime/spdlog.git "$SPDLOG_TAG")
+    # the Tofino back end's cmake adds spdlog from this fixed path
+    rm -rf "$src/backends/tofino/third_party/spdlog" && mkdir -p "$src/backends/tofino/third_party"
+    cp -r "$spdlog" "$src/backends/tofino/third_party/spdlog"
+    # Patch 1: GCC 12's std::erase_if calls the predicate with a const reference (ir/visitor.cpp).
+    sed -i 's/\[this\](flow_join_points_t::value_type &el)/[this](const flow_join_points_t::value_type \&el)/' \
+        "$src/ir/visitor.cpp"
+    # Patch 2: the bf-p4c driver needs the assembler's path as a string (find_file returns a Path).
+    sed -i -E 's/^( +)(bfas|bfrt_schema|p4c_gen_conf) = find_file\((.*)\)$/\1\2 = str(find_file(\3))/' \
+        "$src/backends/tofino/bf-p4c/driver/barefoot.py"
+    # Python packages the Tofino build runs (logging and schema generators), in a private venv
+    [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"
+    stage "Python packages for the Tofino build" tofino-venv.log "$venv/bin/pip" install -q "${TOFINO_PY_PACKAGES[@]}"
+    log "Tofino back end and P4Testgen (p4c $TNA_COMMIT) in $src/build, into $TOFINO_PREFIX"
+    mkdir -p "$src/build"
+    stage "Tofino back end" tofino.log env PATH="$venv/bin:$PATH" bash -c "cd '$src/build' && cmake .. \
+        -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX='$TOFINO_PREFIX' \
+        -DCMAKE_INSTALL_RPATH='$TOFINO_PREFIX/lib' -DCMAKE_UNITY_BUILD=ON -DP4C_DRIVER_NAME=bf-p4c \
+        -DENABLE_LTO=OFF -DENABLE_WERROR=OFF -DENABLE_GTESTS=OFF -DENABLE_DOCS=OFF -DENABLE_BMV2=OFF \
+        -DENABLE_EBPF=OFF -DENABLE_UBPF=OFF -DENABLE_DPDK=OFF -DENABLE_P4TC=OFF -DENABLE_P4FMT=OFF \
+        -DENABLE_P4C_GRAPHS=OFF -DENABLE_P4TEST=OFF -DENABLE_TOFINO=ON -DENABLE_TEST_TOOLS=ON \
+        -DENABLE_TOOLS_MODULE_SMITH=OFF -DENABLE_TOOLS_MODULE_TESTGEN=ON -DENABLE_TOOLS_TARGET_BMV2=OFF \
+        -DENABLE_TOOLS_TARGET_EBPF=OFF -DENABLE_TOOLS_TARGET_PNA=OFF -DENABLE_TOOLS_TARGET_TOFINO=ON \
+        -DUSE_PREINSTALLED_Z3=ON -DZ3_INCLUDE_DIR='$WORK/z3/include' -DZ3_LIBRARY='$PREFIX/lib/libz3.so' \
+        -DFETCHCONTENT_FULLY_DISCONNECTED=ON -DFETCHCONTENT_SOURCE_DIR_ABSEIL='$abseil' \
+        -DFETCHCONTENT_SOURCE_DIR_PROTOBUF='$protobuf' -DFETCHCONTENT_SOURCE_DIR_P4RUNTIME='$p4runtime' \
+        -DFETCHCONTENT_SOURCE_DIR_INJA='$inja' -DFETCHCONTENT_SOURCE_DIR_BDWGC='$bdwgc' \
+        && make -j$JOBS && make install && mkdir -p '$TOFINO_PREFIX/lib' && cp -a '$PREFIX/lib/libz3.so' '$TOFINO_PREFIX/lib/'"
+    ln -sf "$TOFINO_PREFIX/bin/bf-p4c" "$PREFIX/bin/bf-p4c"
+}
+
 main() {
     log "packages"
     stage "installing the distribution's packages" apt.log install_packages
@@ -204,8 +279,11 @@ main() {
     if [ "$WITH_TESTGEN" = 1 ]; then
         build_testgen "$p4c" "$p4runtime"
     fi
+    if [ "$WITH_TOFINO" = 1 ]; then
+        build_tofino "$p4c"
+    fi
     log "done: $(command -v simple_switch_grpc) $(command -v p4c-bm2-ss) $(command -v p4test)" \
-        "$( [ "$WITH_TESTGEN" = 1 ] && command -v p4testgen)"
+        "$( [ "$WITH_TESTGEN" = 1 ] && command -v p4testgen)" "$( [ "$WITH_TOFINO" = 1 ] && command -v bf-p4c)"
 }
 
 main "$@"
