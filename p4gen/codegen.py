@@ -130,10 +130,12 @@ class P4Geometry:
         return "\n".join(f"{self.element_instance(e)}.apply({args.format(e=e)});" for e in range(self.elems))
 
     @classmethod
-    def add_arguments(cls, ap: argparse.ArgumentParser) -> None:
-        """The generator CLI options of the shared fields, with this target's defaults."""
+    def add_arguments(cls, ap: argparse.ArgumentParser, elems_default: str | None = None) -> None:
+        """The generator CLI options of the shared fields, with this target's defaults (``elems_default``:
+        how the help states K's default, where it is not one number)."""
         d = cls()
-        ap.add_argument("--elems", type=int, default=d.elems, help=f"K, indices per packet (default {d.elems})")
+        ap.add_argument("--elems", type=int, default=d.elems,
+                        help=f"K, indices per packet (default {elems_default or d.elems})")
         ap.add_argument("--bits", type=int, default=d.bits, help=f"b, bits per index (default {d.bits})")
         ap.add_argument("--result-bits", type=int, default=d.result_bits, choices=(8, 16),
                         help=f"width of a sum (default {d.result_bits})")

@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point: render, write or check the program."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    TofinoGeometry.add_arguments(ap)
+    TofinoGeometry.add_arguments(ap, elems_default=", ".join(f"{k} for {t}" for t, (_, k, _) in TARGETS.items()))
     ap.set_defaults(elems=None)
     d = TofinoGeometry()
     ap.add_argument("--target", choices=tuple(TARGETS), default=d.target,
