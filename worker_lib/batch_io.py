@@ -63,6 +63,26 @@ def _libc() -> ctypes.CDLL:
     return lib
 
 
+def _iovecs(buf: np.ndarray, count: int, row_bytes: int) -> np.ndarray:
+    """``count`` struct iovec (two uint64 words each): row i of ``buf``, ``row_bytes`` long."""
+    iov = np.zeros((count, 2), np.uint64)
+    iov[:, 0] = buf.ctypes.data + np.arange(count, dtype=np.uint64) * np.uint64(row_bytes)
+    iov[:, 1] = row_bytes
+    return iov
+
+
+def _messages(addr: np.ndarray, iov: np.ndarray) -> np.ndarray:
+    """One struct mmsghdr per row of ``iov`` (uint64 words): message i names row i of ``addr`` (a
+    sockaddr_in) and carries iovec i."""
+    at = np.arange(len(iov), dtype=np.uint64)
+    msgs = np.zeros((len(iov), _WORDS), np.uint64)
+    msgs[:, _OFF_NAME] = addr.ctypes.data + at * np.uint64(SOCKADDR_IN_BYTES)
+    msgs[:, _OFF_NAMELEN] = SOCKADDR_IN_BYTES
+    msgs[:, _OFF_IOV] = iov.ctypes.data + at * np.uint64(16)
+    msgs[:, _OFF_IOVLEN] = 1
+    return msgs
+
+
 def _check_abi() -> None:
     if ctypes.sizeof(_MMsgHdr) % 8 or ctypes.sizeof(_IOVec) != 16 or ctypes.sizeof(ctypes.c_void_p) != 8:
         raise OSError("batched I/O needs a 64-bit Linux ABI (struct mmsghdr of 8-byte words)")
@@ -99,39 +119,25 @@ class BatchSocket:
             self._gro_raw = np.zeros((self._gro_batch, 1 << 16), np.uint8)
             self._gro_addr = np.zeros((self._gro_batch, SOCKADDR_IN_BYTES), np.uint8)
             self._gro_ctrl = np.zeros((self._gro_batch, _CMSG_WORDS), np.uint64)
-            self._gro_iov = np.zeros((self._gro_batch, 2), np.uint64)
-            self._gro_iov[:, 0] = self._gro_raw.ctypes.data + np.arange(self._gro_batch, dtype=np.uint64) * (1 << 16)
-            self._gro_iov[:, 1] = 1 << 16
-            self._gro_msgs = np.zeros((self._gro_batch, _WORDS), np.uint64)
-            at = np.arange(self._gro_batch, dtype=np.uint64)
-            self._gro_msgs[:, _OFF_NAME] = self._gro_addr.ctypes.data + at * SOCKADDR_IN_BYTES
-            self._gro_msgs[:, _OFF_IOV] = self._gro_iov.ctypes.data + at * 16
-            self._gro_msgs[:, _OFF_IOVLEN] = 1
-            self._gro_msgs[:, _OFF_CONTROL] = self._gro_ctrl.ctypes.data + at * (_CMSG_WORDS * 8)
+            self._gro_iov = _iovecs(self._gro_raw, self._gro_batch, 1 << 16)
+            self._gro_msgs = _messages(self._gro_addr, self._gro_iov)
+            self._gro_msgs[:, _OFF_CONTROL] = self._gro_ctrl.ctypes.data + \
+                np.arange(self._gro_batch, dtype=np.uint64) * np.uint64(_CMSG_WORDS * 8)
             self._gro_msgs_at = self._gro_msgs.ctypes.data
             batch = self.batch = self._gro_batch * GSO_SEGMENTS
         # Receive side.
         self.rx = np.zeros((batch, stride), np.uint8)
         self.rx_addr = np.zeros((batch, SOCKADDR_IN_BYTES), np.uint8)
         self.rx_len = np.zeros(batch, np.int64)
-        self._rx_iov = np.zeros((batch, 2), np.uint64)
-        self._rx_iov[:, 0] = self.rx.ctypes.data + np.arange(batch, dtype=np.uint64) * stride
-        self._rx_iov[:, 1] = stride
-        self._rx_msgs = np.zeros((batch, _WORDS), np.uint64)
-        self._rx_msgs[:, _OFF_NAME] = self.rx_addr.ctypes.data + np.arange(batch, dtype=np.uint64) * 16
-        self._rx_msgs[:, _OFF_IOV] = self._rx_iov.ctypes.data + np.arange(batch, dtype=np.uint64) * 16
-        self._rx_msgs[:, _OFF_IOVLEN] = 1
+        self._rx_iov = _iovecs(self.rx, batch, stride)
+        self._rx_msgs = _messages(self.rx_addr, self._rx_iov)
         self._rx_msgs_at = self._rx_msgs.ctypes.data  # (numpy's .ctypes costs a microsecond per look)
         self._rx_used = batch  #: rows whose msg_namelen the last recvmmsg may have changed
         # Send side (rows of a caller's buffer, to addresses copied into tx_addr).
         self.max_send = max_send or batch * 32
         self.tx_addr = np.zeros((self.max_send, SOCKADDR_IN_BYTES), np.uint8)
-        self._tx_iov = np.zeros((self.max_send, 2), np.uint64)
-        self._tx_msgs = np.zeros((self.max_send, _WORDS), np.uint64)
-        self._tx_msgs[:, _OFF_NAME] = self.tx_addr.ctypes.data + np.arange(self.max_send, dtype=np.uint64) * 16
-        self._tx_msgs[:, _OFF_NAMELEN] = SOCKADDR_IN_BYTES
-        self._tx_msgs[:, _OFF_IOV] = self._tx_iov.ctypes.data + np.arange(self.max_send, dtype=np.uint64) * 16
-        self._tx_msgs[:, _OFF_IOVLEN] = 1
+        self._tx_iov = np.zeros((self.max_send, 2), np.uint64)  # patched per send: rows of the caller's buffer
+        self._tx_msgs = _messages(self.tx_addr, self._tx_iov)
         self._tx_msgs_at = self._tx_msgs.ctypes.data
         self._tx_buf: np.ndarray | None = None  #: the buffer last sent from, and its address
         self._tx_base = np.uint64(0)
@@ -169,16 +175,21 @@ class BatchSocket:
             return self._recv_gro()
         msgs = self._rx_msgs
         msgs[:self._rx_used, _OFF_NAMELEN] = SOCKADDR_IN_BYTES
-        n = self.libc.recvmmsg(self.fd, self._rx_msgs_at, self.batch, MSG_DONTWAIT, None)
-        if n < 0:
-            self._rx_used = 0
-            err = ctypes.get_errno()
-            if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
-                return 0
-            raise OSError(err, os.strerror(err))
+        n = self._recvmmsg(self._rx_msgs_at, self.batch)
         self._rx_used = n
         self.rx_len[:n] = msgs[:n, _OFF_LEN] & 0xFFFFFFFF
         return n
+
+    def _recvmmsg(self, msgs_at: int, count: int) -> int:
+        """recvmmsg of up to ``count`` messages at ``msgs_at``, not blocking: how many came (0: none waited,
+        or a signal); other errors raise OSError."""
+        n = self.libc.recvmmsg(self.fd, msgs_at, count, MSG_DONTWAIT, None)
+        if n >= 0:
+            return n
+        err = ctypes.get_errno()
+        if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
+            return 0
+        raise OSError(err, os.strerror(err))
 
     def _recv_gro(self) -> int:
         """recvmmsg into the 64 kB rows, then each message's datagrams into the ``rx`` rows: a message
@@ -186,12 +197,7 @@ class BatchSocket:
         msgs = self._gro_msgs
         msgs[:, _OFF_NAMELEN] = SOCKADDR_IN_BYTES
         msgs[:, _OFF_CONTROLLEN] = _CMSG_WORDS * 8
-        n = self.libc.recvmmsg(self.fd, self._gro_msgs_at, self._gro_batch, MSG_DONTWAIT, None)
-        if n < 0:
-            err = ctypes.get_errno()
-            if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
-                return 0
-            raise OSError(err, os.strerror(err))
+        n = self._recvmmsg(self._gro_msgs_at, self._gro_batch)
         lens = (msgs[:n, _OFF_LEN] & 0xFFFFFFFF).astype(np.int64)
         ctrl = self._gro_ctrl[:n]
         has = (msgs[:n, _OFF_CONTROLLEN] >= _CMSG_LEN_INT) & (ctrl[:, 1] == np.uint64(SOL_UDP | (UDP_GRO << 32)))
