@@ -118,7 +118,7 @@ class P4Geometry:
     @staticmethod
     def element_instance(e: int) -> str:
         """The name of element ``e``'s instance of the per-element control (``elem_3``): its lookup table
-        is ``<ingress>.elem_3.lookup`` for the control planes (aggregator.switch.entries.element_table)."""
+        is ``<ingress>.elem_3.lookup`` for the control planes (aggregator.switch.entries.lookup_table)."""
         return f"elem_{e}"
 
     def element_instances(self, control: str) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 from google.protobuf import text_format
 from p4.config.v1 import p4info_pb2
 
-from aggregator.switch.entries import ProgramGeometry, element_action, element_table
+from aggregator.switch.entries import ProgramGeometry, lookup_action, lookup_table
 from aggregator.switch.errors import P4InfoError
 
 
@@ -125,8 +125,8 @@ def program_geometry(idx: P4InfoIndex) -> ProgramGeometry:
     if not elems or elems != list(range(len(elems))):
         raise P4InfoError("the P4Info has no elem_0.lookup..elem_<K-1>.lookup tables: not a THC program")
     k = len(elems)
-    bits = idx.match_field(element_table(0), "index")[1]
-    result_bits = idx.param(element_action(0), "v")[1]
+    bits = idx.match_field(lookup_table(0), "index")[1]
+    result_bits = idx.param(lookup_action(0), "v")[1]
     slots = idx.register("slot_gen")[1]
     jobs = idx.table("thc_jobs").size
     return ProgramGeometry(k, bits, result_bits, slots, jobs)

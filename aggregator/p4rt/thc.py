@@ -40,8 +40,8 @@ from aggregator.switch.entries import (
     Placement,
     ProgramGeometry,
     check_job,
-    element_table,
     job_entries,
+    lookup_table,
     new_generation,
     place_job,
     route_entry,
@@ -276,12 +276,13 @@ class ThcSwitch:
         up = p4runtime_pb2.Update(type=DELETE)
         up.entity.packet_replication_engine_entry.multicast_group_entry.multicast_group_id = j.placement.mcast_grp
         ups.append(up)
-        n_values = 1 << self.geometry.bits
-        for e in range(self.geometry.elems):
-            t = idx.table(element_table(e))
+        g = self.geometry
+        keys = range(1 << (g.bits * g.lookup_indices))  # every key a job's entries have (lookup_rows)
+        for m in range(g.lookups):
+            t = idx.table(lookup_table(m, g.lookup_control))
             f_job, w_job, _ = idx.match_field(t.name, "job_index")
-            f_idx, w_idx, _ = idx.match_field(t.name, "index")
-            for i in range(n_values):
+            f_idx, w_idx, _ = idx.match_field(t.name, g.lookup_key)
+            for i in keys:
                 up = p4runtime_pb2.Update(type=DELETE)
                 te = up.entity.table_entry
                 te.table_id = t.id

@@ -48,15 +48,17 @@ class ProgramGeometry:
         return self.elems // self.lookup_indices
 
 
-def lookup_table(m: int, geometry: ProgramGeometry) -> str:
-    """Lookup table ``m`` relative to the ingress (``elem_3.lookup`` on BMv2, ``lookup_3.lookup`` on Tofino).
-    Its key is (``job_index``, ``geometry.lookup_key``): the job's row and the table's adjacent indices."""
-    return f"{geometry.lookup_control}_{m}.lookup"
+def lookup_table(m: int, control: str = "elem") -> str:
+    """Lookup table ``m`` relative to the ingress: the programs write their lookup once as a control and
+    instantiate it K times as ``elem_<e>`` (BMv2's ThcElement, one index each; p4gen.codegen) or K / 2
+    times as ``lookup_<m>`` (Tofino's ThcLookup, two indices each); ``control`` is that prefix
+    (``ProgramGeometry.lookup_control``). Its key is (``job_index``, ``ProgramGeometry.lookup_key``)."""
+    return f"{control}_{m}.lookup"
 
 
-def lookup_action(m: int, geometry: ProgramGeometry) -> str:
+def lookup_action(m: int, control: str = "elem") -> str:
     """Lookup table ``m``'s action, ``value(v)``: v = the job's table values of its indices, side by side."""
-    return f"{geometry.lookup_control}_{m}.value"
+    return f"{control}_{m}.value"
 
 
 def lookup_rows(values: list[int], geometry: ProgramGeometry) -> list[tuple[int, int]]:
@@ -72,18 +74,6 @@ def lookup_rows(values: list[int], geometry: ProgramGeometry) -> list[tuple[int,
             value = (value << w) | values[i]
         rows.append((key, value))
     return rows
-
-
-def element_table(e: int) -> str:
-    """Element ``e``'s lookup table, relative to the ingress: both programs write the per-element logic
-    once (control ThcElement) and instantiate it as ``elem_<e>`` (p4gen.codegen.P4Geometry.element_instance).
-    Its key is (``job_index``, ``index``): the job's row and the element's b-bit index."""
-    return f"elem_{e}.lookup"
-
-
-def element_action(e: int) -> str:
-    """Element ``e``'s lookup action, ``value(v)``: v = T[index], the job's table value."""
-    return f"elem_{e}.value"
 
 
 JOB_PARAMS = ("key", "table_id", "workers", "threshold", "slots", "slot_base", "job_index", "mcast_grp", "gen")
@@ -209,8 +199,9 @@ def job_entries(cfg: JobConfig, geometry: ProgramGeometry, ports: tuple[int, ...
     check_job(cfg, geometry, ports, target)
     rows = lookup_rows(cfg.values().tolist(), geometry)
     lookups = tuple(
-        LogicalEntry(lookup_table(m, geometry), (Match("job_index", place.job_index), Match(geometry.lookup_key, k)),
-                     lookup_action(m, geometry), (("v", v),))
+        LogicalEntry(lookup_table(m, geometry.lookup_control),
+                     (Match("job_index", place.job_index), Match(geometry.lookup_key, k)),
+                     lookup_action(m, geometry.lookup_control), (("v", v),))
         for m in range(geometry.lookups) for k, v in rows)
     group = MulticastGroup(place.mcast_grp,
                            tuple((int(port), replica_id(place.job_index, w)) for w, port in enumerate(ports)))
