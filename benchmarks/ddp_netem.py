@@ -113,7 +113,8 @@ def measure(net: Topology, run: Run, job: int, args: argparse.Namespace, agg_pid
             "retransmissions": hook.get("transport_retransmissions", 0), "mtu": args.mtu, "wall_s": wall,
             "early_retransmissions": hook.get("transport_early_retransmissions", 0),
             "slot_bound_s": hook.get("transport_slot_bound_s", 0.0) / steps,
-            "window_bound_s": hook.get("transport_window_bound_s", 0.0) / steps}
+            "window_bound_s": hook.get("transport_window_bound_s", 0.0) / steps,
+            "tail_s": hook.get("transport_tail_s", 0.0) / steps}
 
 
 def down_bytes(sent: float, mode: str, args: argparse.Namespace) -> float:

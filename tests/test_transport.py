@@ -609,16 +609,20 @@ def test_one_lost_use_does_not_stop_the_window(policy: str) -> None:
     with serving(cfg) as srv, FirstLost(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv.port),
                                                         loss_policy=policy, timeout=0.2, min_timeout=0.2,
                                                         window=4, gso=False)) as tr:
+        t0 = time.monotonic()
         res = tr.exchange_indices(idx)
+        wall = time.monotonic() - t0
     assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
     assert sorted(sent) == sorted([*range(16), 0]), sent
     resend_at = sent.index(0, 1)
+    assert 0 < tr.stats.tail_s <= wall  # after use 15 went out, the exchange waited for answers
     if policy == "reliable":
         assert resend_at < sent.index(15), sent
         assert tr.stats.early_retransmissions == 1
     else:
         assert resend_at == 16, sent
         assert tr.stats.early_retransmissions == 0
+        assert tr.stats.tail_s >= 0.15  # use 0's fixed 0.2 s timeout ran out after the last first send
 
 
 def test_congestion_window_backs_off_a_full_queue() -> None:

@@ -158,6 +158,9 @@ class TransportStats:
     slot_bound_s: float = 0.0
     #: seconds waited with the window full (the pacer's limit, or the path's)
     window_bound_s: float = 0.0
+    #: seconds from an exchange's last new use sent to its end: draining the last answers and
+    #: recovering the last losses, with nothing new to send meanwhile
+    tail_s: float = 0.0
     lost: list[tuple[int, int]] = field(default_factory=list)  #: (tensor, chunk) given up
 
     def as_dict(self) -> dict[str, float]:
@@ -474,11 +477,17 @@ class Transport:
             open_ = nxt - base - int(np.count_nonzero(done[base:nxt]))
             return max(0, min(self.pacer.window() - open_, base + p.slots - nxt, count - nxt))
 
+        all_sent = math.inf  # when the last new use went out
+
+        def end() -> np.ndarray:
+            self.stats.tail_s += max(0.0, time.monotonic() - all_sent)
+            return lost
+
         while base < count:
             while done[base]:  # the oldest open use first: window_rto treats it apart
                 base += 1
                 if base == count:
-                    return lost
+                    return end()
             now = time.monotonic()
             n = room(base, nxt)
             use_of_slot[slots[nxt:nxt + n]] = np.arange(nxt, nxt + n)
@@ -490,6 +499,8 @@ class Transport:
                         self._send(data, int(slots[i]))
             sent_at[nxt:nxt + n] = now
             nxt += n
+            if n and nxt == count:
+                all_sent = time.monotonic()
             # Resend or give up what is due (each resend backs that use's timeout off, see pacing.py).
             timer_at, rack_at = deadlines(base, nxt, now)
             due = base + np.flatnonzero(~done[base:nxt] & (np.minimum(timer_at, rack_at) <= now))
@@ -592,7 +603,7 @@ class Transport:
                 since[(since == math.inf) & (at < last_answer)] = last_answer
                 if early:  # and those of uses first sent after a use answered now start again (pacing.py)
                     since[(at >= progress) & (tries[base:nxt] == 0)] = last_answer
-        return lost
+        return end()
 
     def _finish_lost(self, i: int, slot: int, tensor: int, done: np.ndarray, lost: np.ndarray,
                      use_of_slot: np.ndarray) -> None:
