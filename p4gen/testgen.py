@@ -52,12 +52,13 @@ def rendered_program() -> str:
     return render(Geometry(elems=ELEMS))
 
 
-def find_p4testgen(given: str | None) -> str:
-    """The p4testgen executable: ``given``, else on PATH; SystemExit with one line if there is none."""
+def find_p4testgen(given: str | None, *, prog: str = "p4gen.testgen", stage: str = "--with-testgen") -> str:
+    """The p4testgen executable: ``given``, else on PATH; SystemExit with one line if there is none, naming
+    the toolchain script's ``stage`` that builds it."""
     exe = given or shutil.which("p4testgen")
     if not exe or not Path(exe).exists():
-        raise SystemExit("p4gen.testgen: p4testgen not found: build it with scripts/build-p4-toolchain.sh "
-                         "--with-testgen, or pass --p4testgen PATH")
+        raise SystemExit(f"{prog}: p4testgen not found: build it with scripts/build-p4-toolchain.sh "
+                         f"{stage}, or pass --p4testgen PATH")
     return exe
 
 

@@ -35,6 +35,22 @@
 
 #include "thc_common.p4"
 
+#ifdef THC_P4TESTGEN
+// Only when P4Testgen explores the program (python -m p4gen.testgen_tofino defines THC_P4TESTGEN): its
+// assumption extern, which keeps what it invents (job entries, pass-2 bridge headers, register cells) to
+// what the control plane and pass 1 write, and the register indices written out: its Tofino model does not
+// compute Hash externs (their outputs are unknown to it, so every register access would be), and an
+// IDENTITY hash of a field list is the fields' concatenation, zero-extended.
+extern void testgen_assume(in bool assumption);
+#define THC_BANK(hash, slot, r) ((bit<31>)(slot) ++ (r))
+#define THC_ROW(hash, job_index, worker) ((job_index) ++ (worker))
+#else
+// The identity hash of two fields by the Hash extern `hash` (Tofino addresses a register with a field or a
+// hash of fields): the bank slot * 2 + r of a 16-bit slot, the row job_index * 32 + worker.
+#define THC_BANK(hash, slot, r) hash.get({slot, r})
+#define THC_ROW(hash, job_index, worker) hash.get({job_index, worker})
+#endif
+
 // ---- compile-time configuration (generated) ----
 const bit<32> THC_K = 64;              // elements per packet
 const bit<16> THC_K16 = 64;
@@ -51,6 +67,10 @@ const bit<32> THC_JOBS = 8;               // jobs configured at once
 const PortId_t THC_RECIRC_PORT = 68;     // recirculation port of the workers' pipe
 
 const bit<32> THC_BANKS = 2 * THC_SLOTS;
+#ifdef THC_P4TESTGEN
+// The most workers of a job the control plane installs: n * (2^b - 1) must fit a sum (JobConfig).
+const bit<32> THC_TESTGEN_MAX_WORKERS = ((32w1 << THC_RESULT_BITS) - 1) / ((32w1 << (bit<32>)THC_INDEX_BITS) - 1);
+#endif
 const bit<32> THC_WORKER_ENTRIES = THC_JOBS * THC_MAX_WORKERS;
 const bit<16> THC_NO_ROW = 0xFFFF;  // a job_index no lookup entry has
 
@@ -494,6 +514,15 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
     // logical entry as BMv2's.
     action job_config(bit<32> key, bit<16> table_id, bit<8> workers, bit<8> threshold, bit<16> slots,
                       bit<32> slot_base, bit<16> job_index, bit<16> mcast_grp, @noWarn("unused") bit<32> gen) {
+#ifdef THC_P4TESTGEN
+        // The job entries aggregator/switch/entries.py writes: 1 <= threshold <= workers <= what sums of this
+        // width hold, the job's slots inside the register arrays, its row below THC_JOBS, its multicast group
+        // row + 1.
+        testgen_assume(workers >= 1 && (bit<32>)workers <= THC_TESTGEN_MAX_WORKERS && threshold >= 1
+                       && threshold <= workers && slots >= 1 && slot_base < THC_SLOTS
+                       && (bit<32>)slots <= THC_SLOTS - slot_base && (bit<32>)job_index < THC_JOBS
+                       && mcast_grp == job_index + 1);
+#endif
         meta.job_hit = 1;
         meta.job_key = key;
         meta.job_table_id = table_id;
@@ -607,11 +636,11 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
     // the RegisterAction (meta.s == 0: the packet starts the round; meta.dup: the worker's bit was set).
     // bank_index is the identity hash of (slot, round mod 2), the same in every action.
     action tag_set() {
-        meta.tag_res = tag_write.execute(bank_index.get({meta.slot, hdr.thc.round[0:0]}));
+        meta.tag_res = tag_write.execute(THC_BANK(bank_index, meta.slot, hdr.thc.round[0:0]));
     }
 
     action tag_test() {
-        meta.tag_res = tag_check.execute(bank_index.get({meta.slot, hdr.thc.round[0:0]}));
+        meta.tag_res = tag_check.execute(THC_BANK(bank_index, meta.slot, hdr.thc.round[0:0]));
     }
 
     @stage(4)
@@ -627,11 +656,11 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
     }
 
     action seen_set() {
-        seen_write.execute(bank_index.get({meta.slot, hdr.thc.round[0:0]}));
+        seen_write.execute(THC_BANK(bank_index, meta.slot, hdr.thc.round[0:0]));
     }
 
     action seen_test() {
-        meta.dup = seen_add.execute(bank_index.get({meta.slot, hdr.thc.round[0:0]}));
+        meta.dup = seen_add.execute(THC_BANK(bank_index, meta.slot, hdr.thc.round[0:0]));
     }
 
     @stage(5)
@@ -647,15 +676,15 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
     }
 
     action count_set() {
-        count_write.execute(bank_index.get({meta.slot, hdr.thc.round[0:0]}));
+        count_write.execute(THC_BANK(bank_index, meta.slot, hdr.thc.round[0:0]));
     }
 
     action count_new() {
-        meta.c = count_add.execute(bank_index.get({meta.slot, hdr.thc.round[0:0]}));
+        meta.c = count_add.execute(THC_BANK(bank_index, meta.slot, hdr.thc.round[0:0]));
     }
 
     action count_again() {
-        meta.c = count_dup.execute(bank_index.get({meta.slot, hdr.thc.round[0:0]}));
+        meta.c = count_dup.execute(THC_BANK(bank_index, meta.slot, hdr.thc.round[0:0]));
     }
 
     @stage(6)
@@ -769,8 +798,46 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
     apply {
         if (hdr.bridge.isValid()) {
             // ======================== PASS 2 (recirculated) ========================
+#ifdef THC_P4TESTGEN
+#ifdef THC_P4TESTGEN_PASS1_ONLY
+            testgen_assume(false);   // a run that explores pass 1 alone (p4gen.testgen_tofino)
+#endif
+#ifdef THC_P4TESTGEN_OP
+            testgen_assume(hdr.bridge.op == THC_P4TESTGEN_OP);   // a run that explores one operation
+#endif
+            // P4Testgen makes up the bridge header of a packet from the recirculation port: keep it to
+            // what pass 1 writes there (to_pass2 after start_round, an ACTIVE add or a COMPLETE read), for
+            // a request that passed validation.
+            bit<32> wbit = 32w1 << (bit<32>)hdr.thc.worker;  // (P4Testgen 34b86e9: shift operands of one width)
+            testgen_assume(hdr.bridge.phase == PHASE_RECIRC && hdr.bridge.emit == EMIT_NONE
+                           && hdr.bridge.learn == 0 && hdr.bridge.fanout == 0 && hdr.thc.isValid()
+                           && hdr.thc.version == THC_VERSION
+                           && hdr.bridge.kind == hdr.thc.type_
+                           && hdr.bridge.threshold >= 1 && (bit<32>)hdr.bridge.threshold <= THC_TESTGEN_MAX_WORKERS
+                           && (bit<32>)hdr.thc.worker < THC_TESTGEN_MAX_WORKERS
+                           && (bit<32>)hdr.bridge.count <= THC_TESTGEN_MAX_WORKERS
+                           && (bit<32>)hdr.bridge.slot < THC_SLOTS && hdr.bridge.in_port != (bit<16>)THC_RECIRC_PORT
+                           && ((hdr.bridge.op == OP_SET && hdr.bridge.count == 1 && hdr.bridge.bitmap == wbit
+                                && (bit<32>)hdr.bridge.job_index < THC_JOBS)
+                               || (hdr.bridge.op == OP_ADD && hdr.bridge.count >= 2
+                                   && hdr.bridge.count <= hdr.bridge.threshold && hdr.bridge.bitmap == wbit
+                                   && (bit<32>)hdr.bridge.job_index < THC_JOBS)
+                               || (hdr.bridge.op == OP_READ && hdr.bridge.count >= hdr.bridge.threshold
+                                   && hdr.bridge.bitmap == 0
+                                   && hdr.bridge.job_index == THC_NO_ROW)));
+            // and the request's format passed validation (each kind apart: a field of an invalid header
+            // is unknown to P4Testgen)
+            if (hdr.thc.type_ == THC_TYPE_DATA) {
+                testgen_assume(hdr.data.isValid() && hdr.thc.elems == THC_K16 && hdr.thc.width == THC_INDEX_BITS
+                               && hdr.udp.length == UDP_HEADER_BYTES + THC_HEADER_BYTES + THC_DATA_BYTES);
+            } else {
+                testgen_assume(hdr.norm.isValid() && hdr.thc.elems == 1 && hdr.thc.width == 32
+                               && hdr.udp.length == UDP_HEADER_BYTES + THC_HEADER_BYTES + 4
+                               && hdr.norm.value[31:31] == 0 && hdr.norm.value[30:23] != 0xFF);
+            }
+#endif
             bit<8> op = hdr.bridge.op;
-            bit<32> bank = bank_index_2.get({hdr.bridge.slot, hdr.thc.round[0:0]});
+            bit<32> bank = THC_BANK(bank_index_2, hdr.bridge.slot, hdr.thc.round[0:0]);
             bit<32> bnorm = 0;
             check_threshold.apply();
             if (hdr.bridge.kind == THC_TYPE_DATA) {
@@ -886,6 +953,9 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
             }
         } else {
             // ======================== PASS 1 ========================
+#ifdef THC_P4TESTGEN_PASS2_ONLY
+            testgen_assume(false);   // a run that explores pass 2 alone (p4gen.testgen_tofino)
+#endif
             hdr.bridge.setValid();
             hdr.bridge.phase = PHASE_FORWARD;
             hdr.bridge.op = OP_NONE;
@@ -937,7 +1007,7 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                     hdr.bridge.kind = t;
                     hdr.bridge.threshold = meta.job_threshold;
                     hdr.bridge.job_index = meta.job_index;
-                    hdr.bridge.worker_row = worker_row.get({meta.job_index[10:0], hdr.thc.worker[4:0]});
+                    hdr.bridge.worker_row = THC_ROW(worker_row, meta.job_index[10:0], hdr.thc.worker[4:0]);
                     hdr.bridge.mcast_grp = meta.job_mcast_grp;
                     hdr.bridge.slot = meta.slot;
                     hdr.bridge.switch_mac = meta.switch_mac;
@@ -950,6 +1020,14 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                         seen_step.apply();
                         count_step.apply();
                     }
+#ifdef THC_P4TESTGEN
+                    // P4Testgen starts the registers with any contents: keep the cells these outputs show
+                    // near what the program writes (a round ++ 0x0001; a count of at most THC_MAX_WORKERS,
+                    // but count + 0x100 and count' + 0x200 can be the same output, so larger counts remain
+                    // possible: the corpus's replay skips them).
+                    testgen_assume((meta.s == 0 || meta.s[15:0] == 1) && meta.c[31:8] <= 2
+                                   && (bit<32>)meta.c[7:0] <= THC_MAX_WORKERS);
+#endif
                     if (meta.s == 0) {
                         start_round();     // FRESH or NEWER: bank b now holds this packet alone
                     } else if (meta.tag_res == 2) {
