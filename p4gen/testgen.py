@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from p4gen.bmv2 import INCLUDE_DIR, Geometry, render
@@ -62,6 +63,37 @@ def find_p4testgen(given: str | None, *, prog: str = "p4gen.testgen", stage: str
     return exe
 
 
+@dataclass
+class P4TestgenRun:
+    """What one P4Testgen run printed: its log, its statement coverage and the statements it left
+    uncovered (paths relative to the folder it ran in and to p4src/include), and its wall time."""
+
+    log: str
+    fraction: float
+    covered: int
+    statements: int
+    uncovered: list[str]
+    wall_s: float
+
+
+def run_p4testgen(cmd: list[str], cwd: Path, *, prog: str) -> P4TestgenRun:
+    """Run P4Testgen (``cmd``, with --print-coverage) in ``cwd``; SystemExit with one line, named ``prog``,
+    if it fails or prints no coverage."""
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, check=False)
+    wall = time.monotonic() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"{prog}: p4testgen failed: {(done.stderr or done.stdout).strip()[-500:]}")
+    log = done.stdout + done.stderr
+    covered = COVERAGE.findall(log)
+    if not covered:
+        raise SystemExit(f"{prog}: p4testgen printed no coverage line (too old a p4testgen?)")
+    fraction, hit, total = covered[-1]
+    uncovered = [ln.strip().replace(str(cwd) + "/", "").replace(str(INCLUDE_DIR) + "/", "")
+                 for ln in log.split("Not covered program nodes:")[-1].splitlines()[1:] if ln.startswith("\t")]
+    return P4TestgenRun(log, float(fraction), int(hit), int(total), uncovered, wall)
+
+
 def _portable(arg: str, tmp: Path) -> str:
     """A command-line argument without this machine's paths (the manifest is checked in)."""
     return arg.replace(str(INCLUDE_DIR), "p4src/include").replace(str(tmp / "stf"), "OUT")
@@ -80,18 +112,9 @@ def generate(exe: str, out: Path, *, seed: int, max_tests: int) -> dict:
                "--max-tests", str(max_tests), "--packet-size-range", f"0:{MAX_PACKET_BITS}", "--port-ranges", PORTS,
                "--track-coverage", "STATEMENTS", "--path-selection", "GREEDY_STATEMENT_SEARCH",
                "--stop-metric", "MAX_NODE_COVERAGE", "--print-coverage", str(program)]
-        t0 = time.monotonic()
-        run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, check=False)
-        wall = time.monotonic() - t0
-        if run.returncode != 0:
-            raise SystemExit(f"p4gen.testgen: p4testgen failed: {(run.stderr or run.stdout).strip()[-500:]}")
-        log = run.stdout + run.stderr
-        covered = COVERAGE.findall(log)
-        if not covered:
-            raise SystemExit("p4gen.testgen: p4testgen printed no coverage line (too old a p4testgen?)")
-        fraction, hit, total = covered[-1]
-        uncovered = [ln.strip().replace(str(program), "thc.p4").replace(str(INCLUDE_DIR) + "/", "")
-                     for ln in log.split("Not covered program nodes:")[-1].splitlines()[1:] if ln.startswith("\t")]
+        run = run_p4testgen(cmd, tmp, prog="p4gen.testgen")
+        log, wall, uncovered = run.log, run.wall_s, run.uncovered
+        fraction, hit, total = run.fraction, run.covered, run.statements
         version = subprocess.run([exe, "--version"], capture_output=True, text=True, check=False).stdout.split()[-1]
         out.mkdir(parents=True, exist_ok=True)  # its two files are overwritten; nothing else is touched
         tests = sorted((int(p.stem.rsplit("_", 1)[1]), p) for p in (tmp / "stf").glob("*.stf"))  # (path number, file)

@@ -35,16 +35,14 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from p4gen.testgen import COVERAGE, find_p4testgen
+from p4gen.testgen import INCLUDE_DIR, find_p4testgen, run_p4testgen
 from p4gen.tofino import TofinoGeometry, render
 from worker_lib.cli.args import int_in
 
 ROOT = Path(__file__).resolve().parents[1]
-INCLUDE_DIR = ROOT / "p4src" / "include"
 PARSER = ROOT / "p4src" / "tofino" / "parser.p4"
 CORPORA_DIR = ROOT / "tests" / "p4testgen"
 TESTS_FILE = "corpus.jsonl.gz"
@@ -136,10 +134,9 @@ def parse_test(number: int, text: str) -> dict:
     entries = [[table, {k: [int(v, 16), int(mask, 16) if mask else None] for k, v, mask in _KEY.findall(keys)},
                 action, {k: int(v, 16) for k, v in _DATA.findall(data)}]
                for table, keys, action, data in _ENTRY.findall(code)]
-    registers: dict[str, dict[str, int]] = {}
+    registers: dict[str, dict[str, int]] = {}  # without the control's name: slot_state, word_0.sums, ...
     for name, value, index in _REGISTER.findall(code):
-        registers.setdefault(name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1] if name.count(".") > 1
-                             else name.rsplit(".", 1)[-1], {})[index] = int(value, 16)
+        registers.setdefault(name.split(".", 1)[1], {})[index] = int(value, 16)
     port = re.search(r"ig_port = (\d+)", code)
     packet = re.search(r"\n        pkt = (b'[^']*')", code)
     return {"path": number, "port": int(port.group(1)) if port else None,
@@ -200,34 +197,23 @@ def generate(exe: str, spec: CorpusSpec, out: Path, *, seed: int) -> dict:
                    "--packet-size-range", f"0:{spec.max_packet_bits}",
                    *([f"-DTHC_P4TESTGEN_PASS{run.only}_ONLY"] if run.only else []),
                    *([f"-DTHC_P4TESTGEN_OP={run.op}"] if run.op else []), "--print-coverage", str(program)]
-            t0 = time.monotonic()
-            done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, check=False)
-            wall = time.monotonic() - t0
-            if done.returncode != 0:
-                raise SystemExit(f"p4gen.testgen_tofino: p4testgen failed: "
-                                 f"{(done.stderr or done.stdout).strip()[-500:]}")
-            log = done.stdout + done.stderr
-            covered = COVERAGE.findall(log)
-            if not covered:
-                raise SystemExit("p4gen.testgen_tofino: p4testgen printed no coverage line (too old a p4testgen?)")
-            fraction, hit, total = covered[-1]
-            missed = [ln.strip().replace(str(tmp) + "/", "").replace(str(INCLUDE_DIR) + "/", "")
-                      for ln in log.split("Not covered program nodes:")[-1].splitlines()[1:] if ln.startswith("\t")]
+            done = run_p4testgen(cmd, tmp, prog="p4gen.testgen_tofino")
+            total = done.statements
             # a statement is uncovered by the corpus when no run covers it
-            uncovered = missed if uncovered is None else [ln for ln in uncovered if ln in missed]
+            uncovered = done.uncovered if uncovered is None else [ln for ln in uncovered if ln in done.uncovered]
             parts = _TEST.split((tmp / f"ptf{number}" / "thc.py").read_text())
             found = [parse_test(int(parts[i]), parts[i + 1]) for i in range(1, len(parts), 2)]
             records += [{"run": number, **r} for r in found]
             runs.append({"command": ["p4testgen", *(_portable(a, tmp) for a in cmd[1:-1]), "thc.p4"],
-                         "tests": len(found), "generation_s": round(wall, 1),
-                         "statement_coverage": {"fraction": float(fraction), "covered": int(hit)}})
+                         "tests": len(found), "generation_s": round(done.wall_s, 1),
+                         "statement_coverage": {"fraction": done.fraction, "covered": done.covered}})
         said = subprocess.run([exe, "--target", spec.target, "--arch", arch, "--version"], capture_output=True,
                               text=True, check=False)
         version = ((said.stdout + said.stderr).split() or ["unknown"])[-1]  # "<null>" in p4c 34b86e9's build
     out.mkdir(parents=True, exist_ok=True)  # its two files are overwritten; nothing else is touched
     body = "".join(json.dumps(slim(r, spec.recirc_port), separators=(",", ":")) + "\n" for r in records)
     (out / TESTS_FILE).write_bytes(gzip.compress(body.encode(), 9, mtime=0))
-    statements = int(total)
+    statements = total
     manifest = {
         "p4testgen": version,
         "program": f"p4src/tofino/thc.p4.in rendered for {spec.target}, K = {spec.elems}, {SLOTS} slots "
