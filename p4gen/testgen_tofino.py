@@ -46,6 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PARSER = ROOT / "p4src" / "tofino" / "parser.p4"
 CORPORA_DIR = ROOT / "tests" / "p4testgen"
 TESTS_FILE = "corpus.jsonl.gz"
+#: where scripts/build-p4-toolchain.sh --with-tofino installs P4Testgen with its tofino target
+TOFINO_P4TESTGEN = Path("/opt/p4c-head/bin/p4testgen")
 SLOTS = 64  #: register slots of the rendered programs (small indices, same code)
 HEADER_KEPT = 64  #: bytes kept of a packet the program does not take as a THC request (see ``slim``)
 _TEST = re.compile(r"\nclass Test(\d+)\(AbstractTest\):")
@@ -237,8 +239,9 @@ def _portable(arg: str, tmp: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m p4gen.testgen_tofino", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--p4testgen", help="the p4testgen executable with the tofino target (default: the one on "
-                                        "PATH; scripts/build-p4-toolchain.sh --with-tofino installs it)")
+    ap.add_argument("--p4testgen", help=f"the p4testgen executable with the tofino target (default: "
+                                        f"{TOFINO_P4TESTGEN}, where scripts/build-p4-toolchain.sh --with-tofino "
+                                        f"installs it, else the one on PATH)")
     ap.add_argument("--corpus", choices=sorted(CORPORA), action="append",
                     help="which corpus to regenerate (repeatable; default: all): " + "; ".join(
                         f"{c.name}: {c.target}, K = {c.elems}" for c in CORPORA.values()))
@@ -249,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     names = args.corpus or sorted(CORPORA)
     if args.out is not None and len(names) != 1:
         ap.error("--out needs exactly one --corpus")
-    exe = find_p4testgen(args.p4testgen, prog="p4gen.testgen_tofino", stage="--with-tofino")
+    default = TOFINO_P4TESTGEN if TOFINO_P4TESTGEN.exists() else None  # not PATH's: that one may be bmv2-only
+    exe = find_p4testgen(args.p4testgen or default, prog="p4gen.testgen_tofino", stage="--with-tofino")
     for name in names:
         spec = CORPORA[name]
         out = args.out or spec.folder
