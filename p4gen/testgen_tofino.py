@@ -107,8 +107,8 @@ class CorpusSpec:
 
 def _apart(pass2: int) -> tuple[Run, ...]:
     """Pass 1 to the end of its paths, and pass 2 apart, each of its operations to a budget of ``pass2``
-    tests: with a large K the lookups of pass 2 (a hit or a miss each, 2^(K/2) combinations) hold a single
-    search there, and pass 1, or all but one operation, is never reached."""
+    tests: with a large K a single search stays among the hit/miss combinations of pass 2's K/2 lookups,
+    and pass 1, or all but one operation, is never reached."""
     return (Run(1, "GREEDY_STATEMENT_SEARCH", 0),
             *(Run(2, "RANDOM_BACKTRACK", pass2, op) for op in (1, 2, 3)))
 
