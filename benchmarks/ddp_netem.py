@@ -196,18 +196,20 @@ def loss_report(rows: list[dict]) -> None:
     lossless = {(r["rate_mbit"], r["mode"]): [] for r in rows if r["loss"] == 0}
     for r in rows:
         if r["loss"] == 0:
-            lossless[r["rate_mbit"], r["mode"]].append(r["step_s"])
+            lossless[r["rate_mbit"], r["mode"]].append(r)
     lossy = sorted({(r["rate_mbit"], r["mode"], r["loss"]) for r in rows if r["loss"] and
                     (r["rate_mbit"], r["mode"]) in lossless})
     if not lossy:
         return
     print("\nloss against lossless (medians over the repeats; resent: one worker's retransmitted datagrams per "
           "step, at most MTU bytes each, at the link rate; noise: the interquartile range of the lossless steps, "
-          "their max - min below 4 repeats)")
+          "their max - min below 4 repeats; where the extra goes, lossy minus lossless per step: tail, an "
+          "exchange's time after its last new use, recovering its last losses; slots, sending stopped behind "
+          "the oldest unanswered use's slot)")
     print(f"{'rate':>8} {'loss':>5} {'mode':<12} {'lossless':>9} {'lossy':>9} {'extra ms':>9} {'resent ms':>10} "
-          f"{'noise ms':>9} met")
+          f"{'noise ms':>9} met {'tail ms':>8} {'slots ms':>9}")
     for rate, mode, pct in lossy:
-        steps = lossless[rate, mode]
+        steps = [r["step_s"] for r in lossless[rate, mode]]
         base = statistics.median(steps)
         if len(steps) >= 4:
             q = statistics.quantiles(steps, n=4)
@@ -219,8 +221,13 @@ def loss_report(rows: list[dict]) -> None:
         resent = statistics.median(r["retransmissions"] / r["steps"] * r["mtu"] * 8 / (rate * 1e6)
                                    for r in same)
         extra = step - base
+
+        def grown(key: str, same: list[dict] = same, base_rows: list[dict] = lossless[rate, mode]) -> float:
+            return statistics.median(r[key] for r in same) - statistics.median(r[key] for r in base_rows)
+
         print(f"{rate:>8g} {pct:>5g} {mode:<12} {base * 1e3:9.1f} {step * 1e3:9.1f} {extra * 1e3:9.1f} "
-              f"{resent * 1e3:10.1f} {noise * 1e3:9.1f} {'yes' if extra <= resent else 'NO'}")
+              f"{resent * 1e3:10.1f} {noise * 1e3:9.1f} {'yes' if extra <= resent else 'NO ':<3} "
+              f"{grown('tail_s') * 1e3:8.1f} {grown('slot_bound_s') * 1e3:9.1f}")
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -123,3 +123,20 @@ def test_ddp_netem_counts_the_results_on_the_aggregators_link(mode: str, workers
 
     args = build_parser().parse_args(["--workers", str(workers)])
     assert down_bytes(1000.0, mode, args) == expected
+
+
+def test_ddp_netem_loss_report_says_where_the_extra_goes(capsys: pytest.CaptureFixture[str]) -> None:
+    """The lossy comparison prints the step's extra against the resent bytes' wire time, and how much of it
+    the exchanges' tails and the slot bound account for (lossy minus lossless medians; worked out by hand)."""
+    from benchmarks.ddp_netem import loss_report
+
+    def row(loss: float, step: float, tail: float, slots: float, retx: int) -> dict:
+        return {"rate_mbit": 1000.0, "mode": "thc", "loss": loss, "step_s": step, "tail_s": tail,
+                "slot_bound_s": slots, "retransmissions": retx, "steps": 10, "mtu": 1500}
+
+    loss_report([row(0, 0.150, 0.010, 0.0, 0), row(0, 0.160, 0.012, 0.0, 0),
+                 row(1, 0.170, 0.016, 0.004, 1000), row(1, 0.174, 0.018, 0.006, 1000)])
+    last = capsys.readouterr().out.strip().splitlines()[-1].split()
+    # lossless 155.0 ms, lossy 172.0 (+17.0); resent: 100 datagrams of 1500 B per step at 1 Gbit/s = 1.2 ms;
+    # noise 10.0 (max - min of 2); tail 17.0 - 11.0 = 6.0 ms; slots 5.0 - 0 = 5.0 ms
+    assert last == ["1000", "1", "thc", "155.0", "172.0", "17.0", "1.2", "10.0", "NO", "6.0", "5.0"]
