@@ -273,6 +273,9 @@ def replay_pass2(rec: dict, spec: CorpusSpec) -> str:
             bank.norm = regs.get("bank_norm", {}).get(b, 0)
             bank.count, bank.complete = br["count"], True
     out = ref.handle(bytes(data))
+    took = Counter.RETAINED if br["op"] == OP_READ else Counter.ACCEPTED
+    assert ref.counters[took] == 1, f"{where}: the reference does not take the request as pass 1 did: " \
+        f"{reference_counters(ref)}"
     counted = switch_counters(rec)
     want = reference_counters(ref, keep=PASS2_COUNTERS)
     assert counted == want, f"{where}: switch counters {counted}, reference {want}"
