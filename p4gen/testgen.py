@@ -113,8 +113,6 @@ def generate(exe: str, out: Path, *, seed: int, max_tests: int) -> dict:
                "--track-coverage", "STATEMENTS", "--path-selection", "GREEDY_STATEMENT_SEARCH",
                "--stop-metric", "MAX_NODE_COVERAGE", "--print-coverage", str(program)]
         run = run_p4testgen(cmd, tmp, prog="p4gen.testgen")
-        log, wall, uncovered = run.log, run.wall_s, run.uncovered
-        fraction, hit, total = run.fraction, run.covered, run.statements
         version = subprocess.run([exe, "--version"], capture_output=True, text=True, check=False).stdout.split()[-1]
         out.mkdir(parents=True, exist_ok=True)  # its two files are overwritten; nothing else is touched
         tests = sorted((int(p.stem.rsplit("_", 1)[1]), p) for p in (tmp / "stf").glob("*.stf"))  # (path number, file)
@@ -128,15 +126,15 @@ def generate(exe: str, out: Path, *, seed: int, max_tests: int) -> dict:
             corpus += [f"# P4Testgen path {number}", "# counters: " + " ".join(COUNT.findall(stf)), *lines]
         # mtime=0: the same tests give the same bytes
         (out / TESTS_FILE).write_bytes(gzip.compress(("\n".join(corpus) + "\n").encode(), 9, mtime=0))
-        paths = TEST.findall(log)
+        paths = TEST.findall(run.log)
     manifest = {
         "p4testgen": version, "program": f"p4src/bmv2/thc.p4.in rendered with K = {ELEMS} (p4gen.bmv2)",
         "program_sha256": program_sha256,
         "command": ["p4testgen", *(_portable(a, tmp) for a in cmd[1:-1]), "thc.p4"], "seed": seed, "elems": ELEMS,
         "paths_explored": int(paths[-1]) + 1 if paths else None,  # P4Testgen numbers its tests from 0
         "tests": len(tests), "tests_with_output": with_output,
-        "statement_coverage": {"fraction": float(fraction), "covered": int(hit), "statements": int(total)},
-        "uncovered": uncovered, "generation_s": round(wall, 1),
+        "statement_coverage": {"fraction": run.fraction, "covered": run.covered, "statements": run.statements},
+        "uncovered": run.uncovered, "generation_s": round(run.wall_s, 1),
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest

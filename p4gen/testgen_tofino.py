@@ -183,7 +183,8 @@ def _bytes(literal: str) -> bytes:
 def generate(exe: str, spec: CorpusSpec, out: Path, *, seed: int) -> dict:
     """Run P4Testgen on the program of ``spec`` (each of its runs) and write the corpus and its manifest
     into ``out``."""
-    arch, define = ("tna", "1") if spec.target == "tofino" else ("t2na", "2")
+    arch = spec.geometry.arch
+    define = "1" if spec.target == "tofino" else "2"  # tna.p4 and t2na.p4 read __TARGET_TOFINO__
     records, runs, uncovered, total = [], [], None, 0
     text = spec.rendered_program()
     with tempfile.TemporaryDirectory(prefix="p4testgen-tofino-") as tmpd:

@@ -83,6 +83,11 @@ class TofinoGeometry(P4Geometry):
             raise ValueError(f"recirc_port must be a 9-bit port number, got {self.recirc_port}")
 
     @property
+    def arch(self) -> str:
+        """The compilers' --arch for the target: tna (Tofino 1) or t2na (Tofino 2), its include's name."""
+        return TARGETS[self.target][0].removesuffix(".p4")
+
+    @property
     def lanes(self) -> int:
         """Sums per 32-bit register cell (four 8-bit, two 16-bit)."""
         return WORD_BITS // self.result_bits

@@ -11,11 +11,24 @@ from pathlib import Path
 import pytest
 
 from topologies.bmv2 import compile_p4
+from worker_lib.wire.layout import THC_UDP_PORT
 
 ROOT = Path(__file__).resolve().parent.parent
 P4_DIR = ROOT / "p4src"
 INCLUDE_DIR = P4_DIR / "include"
 CHECKED_IN_P4INFO = P4_DIR / "bmv2" / "thc.p4info.txtpb"
+ETH, IP4, UDP = 14, 20, 8  #: header bytes of the frames the programs parse (IPv4 without options)
+
+
+def thc_destination(frame: bytes) -> int | None:
+    """The IPv4 destination of an Ethernet frame the programs parse as a THC datagram (IPv4 without options
+    or fragmentation, UDP to the THC port), or None: whether it is one also needs a ``thc_service`` entry
+    for that address."""
+    f = frame
+    if len(f) < ETH + IP4 + UDP or f[12:14] != b"\x08\x00" or f[14] & 0x0F != 5 or \
+            int.from_bytes(f[20:22], "big") & 0x1FFF or f[23] != 17 or int.from_bytes(f[36:38], "big") != THC_UDP_PORT:
+        return None
+    return int.from_bytes(f[30:34], "big")
 
 
 def need_tools(*tools: str) -> dict[str, str]:

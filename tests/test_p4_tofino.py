@@ -306,8 +306,7 @@ def test_bf_p4c_compiles_the_program(tmp_path: Path, target: str) -> None:
         program.write_text(gen.render(g))
         shutil.copy(P4_DIR / "tofino" / "parser.p4", program.parent / "parser.p4")
     out = tmp_path / "out"
-    arch = {"tofino": "tna", "tofino2": "t2na"}[target]
-    cmd = [bf, "--target", target, "--arch", arch, "-I", str(INCLUDE_DIR), "-o", str(out), str(program)]
+    cmd = [bf, "--target", target, "--arch", g.arch, "-I", str(INCLUDE_DIR), "-o", str(out), str(program)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3000, check=False)
     assert proc.returncode == 0, f"bf-p4c failed:\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}"
     assert (out / "pipe" / f"{target}.bin").is_file()

@@ -39,12 +39,12 @@ import pytest
 
 from aggregator.state import ReferenceAggregator
 from p4gen.testgen import CORPUS, ELEMS, TESTS_FILE, rendered_program
+from tests.p4_support import ETH, IP4, UDP, thc_destination
 from worker_lib.job import JobConfig
-from worker_lib.wire.layout import THC_UDP_PORT, PacketType, field_offsets
+from worker_lib.wire.layout import PacketType, field_offsets
 from worker_lib.wire.protocol import Counter
 
 ROOT = Path(__file__).resolve().parents[1]
-ETH, IP4, UDP = 14, 20, 8
 _JOB, _TABLE_ID = field_offsets()["job"], field_offsets()["table_id"]
 _ADD = re.compile(r'^add "([^"]+)" (?:\d+ )?(.*?)"([^"]+)"\((.*)\)$')
 _MATCH = re.compile(r'"([^"]+)":([^\s,]+)')
@@ -88,12 +88,9 @@ def load_corpus(path: Path) -> list[Case]:
 def thc_datagram(case: Case) -> bytes | None:
     """The UDP payload the program takes as a THC datagram, or None if it forwards the frame."""
     f = case.frame
-    if len(f) < ETH + IP4 + UDP or f[12:14] != b"\x08\x00" or f[14] & 0x0F != 5 or \
-            int.from_bytes(f[20:22], "big") & 0x1FFF or f[23] != 17 or \
-            int.from_bytes(f[36:38], "big") != THC_UDP_PORT:
-        return None
-    dst = int.from_bytes(f[30:34], "big")
-    if not any(t.endswith("thc_service") and int(m["hdr.ipv4.dstAddr"], 16) == dst for t, m, _, _ in case.entries):
+    dst = thc_destination(f)
+    if dst is None or not any(t.endswith("thc_service") and int(m["hdr.ipv4.dstAddr"], 16) == dst
+                              for t, m, _, _ in case.entries):
         return None
     ulen = int.from_bytes(f[38:40], "big")
     return f[ETH + IP4 + UDP: ETH + IP4 + ulen]

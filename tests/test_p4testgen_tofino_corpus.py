@@ -44,14 +44,16 @@ import numpy as np
 import pytest
 
 from aggregator.state import ReferenceAggregator
+from p4gen.headers import p4_name
 from p4gen.testgen_tofino import CORPORA, TESTS_FILE, CorpusSpec
+from tests.p4_support import ETH, IP4, UDP, thc_destination
 from worker_lib.job import JobConfig
-from worker_lib.wire.layout import HEADER_BYTES, THC_UDP_PORT, PacketType, field_offsets
+from worker_lib.wire.layout import FIELDS, HEADER_BYTES, THC_UDP_PORT, PacketType, field_offsets
 from worker_lib.wire.protocol import Counter, Header
 
 ROOT = Path(__file__).resolve().parents[1]
 
-ETH, IP4, UDP, BRIDGE = 14, 20, 8, 28
+BRIDGE = 28  #: bytes of the bridge header in front of a pass-2 packet's Ethernet header
 OP_SET, OP_ADD, OP_READ = 1, 2, 3
 PHASE_RECIRC, PHASE_ANSWER = 1, 2
 EMIT_NONE, EMIT_MULTICAST, EMIT_RETAINED, EMIT_STRAGGLER = 0, 1, 2, 3
@@ -96,10 +98,8 @@ def emitted(rec: dict, field: str) -> dict | None:
 
 
 def thc_fields(hdr: Header) -> dict[str, int]:
-    """A THC header as the P4 program names its fields."""
-    return {"version": hdr.version, "type_": hdr.type, "job": hdr.job, "key_": hdr.key, "worker": hdr.worker,
-            "contributors": hdr.contributors, "slot": hdr.slot, "round": hdr.round, "tensor": hdr.tensor,
-            "chunk": hdr.chunk, "elems": hdr.elems, "width": hdr.width, "flags": hdr.flags, "bitmap": hdr.bitmap}
+    """A THC header as the P4 program names its fields, but the table id (opaque to the replay)."""
+    return {p4_name(f.name): getattr(hdr, f.name) for f in FIELDS if f.name != "table_id"}
 
 
 def assert_thc_header(rec: dict, answer: bytes, where: str) -> None:
@@ -122,13 +122,9 @@ def datagram_of(frame: bytes, start: int) -> bytes:
 
 def served(frame: bytes, entries: list) -> bool:
     """Whether pass 1 takes the frame as a THC request (thc_service hit, UDP to the THC port)."""
-    f = frame
-    if len(f) < ETH + IP4 + UDP or f[12:14] != b"\x08\x00" or f[14] & 0x0F != 5 or \
-            int.from_bytes(f[20:22], "big") & 0x1FFF or f[23] != 17 or int.from_bytes(f[36:38], "big") != THC_UDP_PORT:
-        return False
-    dst = int.from_bytes(f[30:34], "big")
-    return any(t.endswith("thc_service") and act.endswith("thc_serve") and k["hdr.ipv4.dstAddr"][0] == dst
-               for t, k, act, _ in entries)
+    dst = thc_destination(frame)
+    return dst is not None and any(t.endswith("thc_service") and act.endswith("thc_serve")
+                                   and k["hdr.ipv4.dstAddr"][0] == dst for t, k, act, _ in entries)
 
 
 def bank_index(slot: int, rnd: int) -> str:
