@@ -22,7 +22,8 @@ The mapping (docs/tofino.md, "Path tests"):
   count - 1 contributors and the ``bank_result_bitmap`` cell for OP_ADD, complete with the count, the
   bitmap and the sum words for OP_READ. Pass 2's counters (ACCEPTED, COMPLETED) must be the reference's,
   its answer (multicast or unicast) the reference's kind of answer, and the answer's THC header and, for
-  a retained result, its sums (four 8-bit lanes per word) the reference's.
+  a retained result, its sums (four 8-bit lanes per word) the reference's (the words of the corpora as
+  checked in are all 0: lane order is not exercised, docs/tofino.md).
 
 P4Testgen's Tofino model (p4c 34b86e9) models neither the packet replication engine nor the loop of
 recirculation, so what is compared is each pass's decision and the headers it writes; a multicast
