@@ -9,8 +9,9 @@ from pathlib import Path
 
 from aggregator.control import ControlAddress, ControlConfig, read_token
 from aggregator.server import AggregatorServer, ServerConfig
-from worker_lib.cli.args import float_in, int_in, log_level, port_number
-from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfigError, parse_job_spec
+from aggregator.tier_server import TierServer, TierServerConfig
+from worker_lib.cli.args import float_in, host_port, int_in, log_level, port_number
+from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfigError, load_jobs, parse_job_spec
 from worker_lib.wire.layout import THC_UDP_PORT
 
 
@@ -47,6 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this aggregator is member I of N serving the same jobs (one per machine, each with the "
                         "same --shards P): its shard i owns slots s with s mod (N*P) == I*P + i; workers list "
                         "the N aggregators in member order (default 0/1: the only one)")
+    p.add_argument("--role", choices=("flat", "leaf", "spine"), default="flat",
+                   help="flat (default): the one-tier aggregator; leaf or spine: a tier of a two-tier job "
+                        "(job option leaves=N0:N1:..., docs/protocol.md 'Two tiers'), served by the reference "
+                        "state machine with --host, --port, --job/--config, --batch and --stats-interval only")
+    p.add_argument("--leaf", type=int_in(0, 31), metavar="L", help="--role leaf: this leaf's index in leaves=")
+    p.add_argument("--upstream", type=host_port, metavar="HOST:PORT", help="--role leaf: the spine's address")
+    p.add_argument("--parent-loss", type=float_in(0, 0.99), default=0.0, metavar="P",
+                   help="--role leaf: drop this fraction of the packets to and from the spine (seeded by "
+                        "--seed; to test recovery from loss on the leaf-spine link)")
+    p.add_argument("--seed", type=int_in(0, (1 << 32) - 1), default=0, help="seed of --parent-loss")
     p.add_argument("--config", type=Path, help="TOML job file ([[job]] tables), reloaded on SIGHUP")
     p.add_argument("--job", action="append", default=[], metavar="SPEC", help="a job as key=value pairs")
     p.add_argument("--multicast", action="store_true",
@@ -77,9 +88,48 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Options of the one-tier server that a tier does not take (name, its default).
+_FLAT_ONLY = (("shards", 1), ("member", (0, 1)), ("multicast", False), ("engine", "compiled"), ("busy_poll", False),
+              ("gro", False), ("metrics_port", None), ("control", None), ("control_token_file", None), ("pcap", None))
+
+
+def serve_tier(args: argparse.Namespace) -> int:
+    """``--role leaf|spine``: serve a tier of two-tier jobs until a signal."""
+    given = [f"--{name.replace('_', '-')}" for name, default in _FLAT_ONLY if getattr(args, name) != default]
+    if given:
+        print(f"thc-aggregator: --role {args.role} does not take {', '.join(given)}", file=sys.stderr)
+        return 2
+    try:
+        jobs = [parse_job_spec(s) for s in args.job] + (load_jobs(args.config) if args.config else [])
+        server = TierServer(TierServerConfig(args.role, jobs, host=args.host, port=args.port, leaf=args.leaf,
+                                             upstream=args.upstream, batch=args.batch,
+                                             stats_interval=args.stats_interval, parent_loss=args.parent_loss,
+                                             seed=args.seed),
+                            out=lambda s: print(s, flush=True))
+    except (JobConfigError, ValueError) as exc:
+        print(f"thc-aggregator: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"thc-aggregator: {exc}", file=sys.stderr)
+        return 1
+    server.install_signal_handlers()
+    ids = ", ".join(f"{j.job} ({j.kind}, leaves={':'.join(map(str, j.leaves))}, threshold={j.threshold}, "
+                    f"K={j.elems}, S={j.slots})" for j in server.jobs)
+    where = f" leaf={args.leaf} upstream={args.upstream[0]}:{args.upstream[1]}" if args.role == "leaf" else ""
+    print(f"thc-aggregator listening on {args.host}:{server.port} role={args.role}{where} jobs: {ids}", flush=True)
+    server.serve()
+    print("thc-aggregator stopped: " + " ".join(f"{k}={v}" for k, v in server.totals().items()), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.role != "flat":
+        return serve_tier(args)
+    if args.leaf is not None or args.upstream is not None or args.parent_loss:
+        print("thc-aggregator: --leaf, --upstream and --parent-loss are for --role leaf", file=sys.stderr)
+        return 2
     try:
         jobs = [parse_job_spec(s) for s in args.job]
         control = None

@@ -144,7 +144,9 @@ def prepare_command(text: str) -> Prepared:
     verb, _, arg = text.strip().partition(" ")
     try:
         if verb == "add":
-            return Prepared(verb, parse_job_spec(arg))
+            cfg = parse_job_spec(arg)
+            cfg.check_one_tier()
+            return Prepared(verb, cfg)
         if verb == "remove":
             return Prepared(verb, int(arg, 0))
         if verb in ("list", "stats"):

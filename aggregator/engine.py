@@ -197,6 +197,7 @@ class Aggregator:
         if cfg.kind not in ("thc", "uncompressed"):
             raise JobConfigError(f"job {cfg.job}: kind {cfg.kind!r} is not a switch job; decompress-aggregate-"
                                  "recompress jobs are served by aggregator.dar")
+        cfg.check_one_tier()
         if HEADER_BYTES + max(cfg.data_bytes, cfg.result_bytes) > self.stride:
             raise JobConfigError(f"job {cfg.job}: packets of {HEADER_BYTES + cfg.data_bytes} bytes exceed "
                                  f"the aggregator's buffer stride {self.stride}")

@@ -147,6 +147,8 @@ class AggregatorServer:
                 jobs[j.job] = j
         if not jobs:
             jobs[1] = JobConfig()
+        for j in jobs.values():
+            j.check_one_tier()
         return list(jobs.values())
 
     def _reload_jobs(self) -> list[JobConfig]:

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 #: (send to every worker of the job?, packet bytes): what one packet makes the aggregator send.
 Output = tuple[bool, bytes]
+#: The answer of a request of each kind (DATA and PARTIAL rounds give RESULT, norms NORM_RESULT).
+RESULT_TYPE = {PacketType.DATA: PacketType.RESULT, PacketType.NORM: PacketType.NORM_RESULT,
+               PacketType.PARTIAL: PacketType.RESULT, PacketType.PARTIAL_NORM: PacketType.NORM_RESULT}
 
 
 @dataclass
@@ -43,6 +46,11 @@ class Bank:
     complete: bool = False
     sums: np.ndarray | None = None  #: DATA: K int32 sums
     norm: int = 0  #: NORM: the maximum of the norm bits
+
+    def start(self, round_: int, kind: int, bitmap: int, count: int) -> None:
+        """Begin a round: the FRESH/NEWER row's overwrite (the sums or norm follow)."""
+        self.round, self.kind, self.complete = round_, kind, False
+        self.bitmap, self.count = bitmap, count
 
 
 @dataclass
@@ -66,17 +74,19 @@ class _Configured(Protocol):
     cfg: JobConfig
 
 
-def check_addressing(hdr: Header, cfg: JobConfig | None, shard: int, shards: int) -> str | None:
+def check_addressing(hdr: Header, cfg: JobConfig | None, shard: int, shards: int,
+                     senders: int | None = None) -> str | None:
     """The checks that tie a packet to its job's registers, in docs/protocol.md's order: the name of the
-    counter of the first one that fails (None: all pass). Shared by switch jobs and DAR jobs, whose
-    counter enums name these reasons alike."""
+    counter of the first one that fails (None: all pass). Shared by switch jobs, DAR jobs and the two
+    tiers, whose counter enums name these reasons alike. ``senders``: how many distinct ``worker`` ids
+    the packet's senders have (default: the job's workers; a spine's senders are the leaves)."""
     if cfg is None:
         return "UNKNOWN_JOB"
     if hdr.key != cfg.key:
         return "BAD_KEY"
     if hdr.table_id != cfg.table_id:
         return "BAD_TABLE"
-    if hdr.worker >= cfg.workers:
+    if hdr.worker >= (cfg.workers if senders is None else senders):
         return "BAD_WORKER"
     if hdr.slot >= cfg.slots:
         return "BAD_SLOT"
@@ -127,14 +137,21 @@ class ReferenceAggregator:
     """The state table for a set of jobs, one packet at a time (``handle``).
 
     ``shard``/``shards``: this instance serves the slots s with s mod shards == shard. ``counters`` is
-    indexed by ``Counter``.
+    indexed by ``Counter``. ``last_valid``: the header of the last packet that passed validation (None if
+    the last one failed): whose address it teaches (docs/protocol.md, "Addresses").
+
+    The two-tier roles (``aggregator.tiers``) reuse this table: they override the validation, what a
+    packet adds and weighs, and what a completion does.
     """
+
+    bank_type: type[Bank] = Bank
 
     def __init__(self, jobs: Iterable[JobConfig] = (), *, shard: int = 0, shards: int = 1) -> None:
         if not 0 <= shard < shards:
             raise ValueError(f"shard {shard} is not in 0..{shards - 1}")
         self.shard, self.shards = shard, shards
         self.counters = [0] * len(Counter)
+        self.last_valid: Header | None = None
         self.jobs: dict[int, Job] = {}
         for cfg in jobs:
             self.add_job(cfg)
@@ -143,7 +160,11 @@ class ReferenceAggregator:
         """Configure a job with all its slots empty (replacing a job of the same id resets it)."""
         if cfg.kind not in ("thc", "uncompressed"):
             raise JobConfigError(f"job {cfg.job}: kind {cfg.kind!r} is not a switch job")
-        self.jobs[cfg.job] = Job(cfg, [Slot() for _ in range(cfg.slots)])
+        cfg.check_one_tier()
+        self._install(cfg)
+
+    def _install(self, cfg: JobConfig) -> None:
+        self.jobs[cfg.job] = Job(cfg, [Slot(banks=(self.bank_type(), self.bank_type())) for _ in range(cfg.slots)])
 
     def remove_job(self, job: int) -> None:
         """Forget a job; its packets are then dropped as ``unknown_job``."""
@@ -152,22 +173,23 @@ class ReferenceAggregator:
     def handle(self, packet: bytes) -> list[Output]:
         """Apply the state table to one packet; return what it makes the aggregator send."""
         self.counters[Counter.RX] += 1
+        self.last_valid = None
         if len(packet) < HEADER_BYTES:
             return self._nothing_but(Counter.SHORT)
         hdr, payload = Header.parse(packet)
-        failed = validate(hdr, len(packet), payload, self.jobs, self.shard, self.shards)
+        failed = self._validate(hdr, len(packet), payload)
         if failed is not None:
             return self._nothing_but(failed)
+        self.last_valid = hdr
         job = self.jobs[hdr.job]
         slot = job.slots[hdr.slot]
         bank = slot.banks[hdr.round % 2]
-        value = contribution(job.cfg, hdr, payload)
+        value = self._contribution(job, hdr, payload)
 
         # FRESH or NEWER: the packet starts its round in bank r mod 2.
         if not slot.used or serial_newer(hdr.round, slot.round):
             slot.used, slot.round = True, hdr.round
-            bank.round, bank.kind, bank.complete = hdr.round, hdr.type, False
-            bank.bitmap, bank.count = 1 << hdr.worker, 1
+            bank.start(hdr.round, hdr.type, 1 << hdr.worker, self._weight(job, hdr))
             self._add(bank, value, first=True)
             self._count(Counter.NEW_ROUND, Counter.ACCEPTED)
             self._count_elements(job, hdr)
@@ -175,8 +197,7 @@ class ReferenceAggregator:
         # STALE: bank r mod 2 does not hold round r; the sender hears the slot's current round.
         if bank.round != hdr.round:
             self._count(Counter.STRAGGLER)
-            return [(False, hdr.replace(type=PacketType.STRAGGLER, contributors=0, round=slot.round, elems=0,
-                                        width=0, flags=0, bitmap=0).pack())]
+            return [(False, self._straggler(hdr, slot.round))]
         # ACTIVE or COMPLETE, but for the other kind of packet (NORM into a DATA round or the reverse).
         if bank.kind != hdr.type:
             return self._nothing_but(Counter.KIND_MISMATCH)
@@ -184,15 +205,39 @@ class ReferenceAggregator:
         if bank.complete:
             self._count(Counter.RETAINED)
             return [(False, self._result(job, bank, hdr))]
+        held = self._held(job, bank, hdr)  # states a tier adds between COMPLETE and ACTIVE
+        if held is not None:
+            return held
         # ACTIVE: a duplicate before completion adds nothing; a new contributor is added.
         if bank.bitmap >> hdr.worker & 1:
             return self._nothing_but(Counter.DUPLICATE)
         bank.bitmap |= 1 << hdr.worker
-        bank.count += 1
+        bank.count += self._weight(job, hdr)
         self._add(bank, value, first=False)
         self._count(Counter.ACCEPTED)
         self._count_elements(job, hdr)
         return self._completion(job, bank, hdr)
+
+    # -- what a tier overrides -----------------------------------------------------------------------
+    def _validate(self, hdr: Header, length: int, payload: bytes) -> Counter | None:
+        """The first validation check the packet fails (None: valid)."""
+        return validate(hdr, length, payload, self.jobs, self.shard, self.shards)
+
+    def _contribution(self, job: Job, hdr: Header, payload: bytes) -> np.ndarray | int:
+        """What a valid packet adds (sums or norm bits)."""
+        return contribution(job.cfg, hdr, payload)
+
+    def _weight(self, job: Job, hdr: Header) -> int:
+        """Workers a valid packet counts for: one (a spine counts the leaf's workers)."""
+        return 1
+
+    def _held(self, job: Job, bank: Bank, hdr: Header) -> list[Output] | None:
+        """A packet for a bank that is neither ACTIVE nor COMPLETE in a tier's own states (None: ACTIVE)."""
+        return None
+
+    def _contributors(self, bank: Bank) -> int:
+        """The ``contributors`` field of a bank's result: the workers summed."""
+        return bank.count
 
     # -- the rows' actions ---------------------------------------------------------------------------
     @staticmethod
@@ -213,18 +258,23 @@ class ReferenceAggregator:
         self._count(Counter.COMPLETED)
         return [(True, self._result(job, bank, hdr))]
 
-    @staticmethod
-    def _result(job: Job, bank: Bank, hdr: Header) -> bytes:
+    def _result(self, job: Job, bank: Bank, hdr: Header) -> bytes:
         """RESULT (the sums at the job's result width) or NORM_RESULT (the max norm bits) of a bank, in the
         header of the packet that caused it."""
         cfg = job.cfg
-        if bank.kind == PacketType.NORM:
-            typ, elems, width, payload = PacketType.NORM_RESULT, 1, 32, bank.norm.to_bytes(4, "big")
+        typ = RESULT_TYPE[bank.kind]
+        if typ == PacketType.NORM_RESULT:
+            elems, width, payload = 1, 32, bank.norm.to_bytes(4, "big")
         else:
-            typ, elems, width, payload = PacketType.RESULT, cfg.elems, cfg.result_bits, encode_sums(
-                bank.sums, cfg.result_bits)
-        return hdr.replace(type=typ, contributors=bank.count, round=bank.round, elems=elems, width=width, flags=0,
-                           bitmap=bank.bitmap).pack(payload)
+            elems, width, payload = cfg.elems, cfg.result_bits, encode_sums(bank.sums, cfg.result_bits)
+        return hdr.replace(type=typ, contributors=self._contributors(bank), round=bank.round, elems=elems,
+                           width=width, flags=0, bitmap=bank.bitmap).pack(payload)
+
+    @staticmethod
+    def _straggler(hdr: Header, current: int) -> bytes:
+        """A STRAGGLER notice for ``hdr``'s packet: the header alone, ``round`` = the slot's current round."""
+        return hdr.replace(type=PacketType.STRAGGLER, contributors=0, round=current, elems=0, width=0, flags=0,
+                           bitmap=0).pack()
 
     # -- counting ------------------------------------------------------------------------------------
     def _count(self, *counters: Counter) -> None:
@@ -237,5 +287,5 @@ class ReferenceAggregator:
         return []
 
     def _count_elements(self, job: Job, hdr: Header) -> None:
-        if hdr.type == PacketType.DATA:
+        if RESULT_TYPE[hdr.type] == PacketType.RESULT:
             self.counters[Counter.ELEMENTS] += job.cfg.elems

@@ -23,7 +23,7 @@ import numpy as np
 from aggregator.engine import Aggregator
 from launchers.aggregator_process import die_with_parent, local_aggregator
 from worker_lib.cli.args import comma_list, float_in, fraction, host_port, int_in
-from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig, JobConfigError
+from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig, JobConfigError, job_from_mapping
 from worker_lib.wire.bits import pack_bits
 from worker_lib.wire.layout import PacketType
 from worker_lib.wire.serializer import build_batch, decode_sums, header_view
@@ -48,6 +48,7 @@ class RunSpec:
     multicast: str | None = None
     retries: int = 3
     pcap: Path | None = None  #: per-worker captures (FILE.worker<w>.pcap) when the aggregator is not ours
+    leaf_addresses: list[tuple[str, int]] | None = None  #: two tiers: leaf l's address (the workers' aggregators)
 
 
 def gradient(seed: int, worker: int, dim: int, step: int):  # -> torch.Tensor
@@ -69,8 +70,9 @@ def _worker(spec: RunSpec, worker: int, barrier: mp.synchronize.Barrier) -> None
     die_with_parent()
     torch.set_num_threads(1)
     cfg = spec.job
-    tcfg = TransportConfig(cfg, worker=worker, aggregator=spec.aggregators[0],
-                           more_aggregators=tuple(spec.aggregators[1:]), shards=spec.shards,
+    aggregators = [spec.leaf_addresses[cfg.tier_of(worker)[0]]] if spec.leaf_addresses else spec.aggregators
+    tcfg = TransportConfig(cfg, worker=worker, aggregator=aggregators[0],
+                           more_aggregators=tuple(aggregators[1:]), shards=spec.shards,
                            loss_policy=spec.loss_policy, timeout=spec.timeout, deadline=spec.deadline,
                            drop_up=spec.drop_up, drop_down=spec.drop_down, seed=spec.seed,
                            multicast=spec.multicast, retries=spec.retries,
@@ -109,6 +111,18 @@ def worker_pcap(path: Path, worker: int) -> Path:
     return path.with_name(f"{path.stem}.worker{worker}{path.suffix or '.pcap'}")
 
 
+def worker_bitmaps(cfg: JobConfig, bitmaps: np.ndarray) -> np.ndarray:
+    """The workers summed in results with these ``bitmap`` fields: the bitmaps themselves in one tier; in
+    two, whose results name leaves, the bits of the leaves' workers."""
+    if not cfg.tiered:
+        return bitmaps
+    out = np.zeros_like(bitmaps)
+    first = np.cumsum((0, *cfg.leaves))
+    for leaf, n in enumerate(cfg.leaves):
+        out |= ((bitmaps >> leaf) & 1) * (((1 << n) - 1) << int(first[leaf]))
+    return out
+
+
 def reference_sums(cfg: JobConfig, indices: list[np.ndarray], bitmaps: np.ndarray) -> np.ndarray:
     """Replay the workers' indices through the in-process state machine.
 
@@ -121,6 +135,9 @@ def reference_sums(cfg: JobConfig, indices: list[np.ndarray], bitmaps: np.ndarra
     payload = [pack_bits(ix.reshape(chunks, cfg.elems), cfg.bits) for ix in padded]
     out = np.zeros((chunks, cfg.elems), np.int64)
     batch = 256
+    if cfg.tiered:  # the sums of a two-tier job are the one-tier sums of the same workers
+        bitmaps = worker_bitmaps(cfg, bitmaps)
+        cfg = JobConfig(**{k: v for k, v in cfg.to_dict().items() if k != "leaves"})
     for bm in np.unique(bitmaps).tolist():
         members = [w for w in range(cfg.workers) if (int(bm) >> w) & 1]
         if not members:
@@ -161,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int_in(1, 32), default=4, help="worker processes (n, at most 32)")
     p.add_argument("--dim", type=int_in(1, 1 << 31), default=1 << 20, help="coordinates per gradient (default 2^20)")
     p.add_argument("--steps", type=int_in(1, 1 << 20), default=1, help="allreduce steps (error feedback carries over)")
+    p.add_argument("--leaves", metavar="N0:N1:...",
+                   help="two tiers: start a spine and one leaf per entry, leaf l serving N_l of the workers "
+                        "(their sum must be --workers; docs/protocol.md 'Two tiers')")
+    p.add_argument("--parent-loss", type=float_in(0, 0.99), default=0.0, metavar="P",
+                   help="with --leaves: each leaf drops this fraction of its packets to and from the spine")
     p.add_argument("--aggregator", type=comma_list(host_port, "10.0.0.1:9451,10.0.0.2:9451"), metavar="HOST:PORT",
                    help="use a running aggregator instead of starting one; several, comma-separated, in member "
                         "order: the job's slots spread over them (thc-aggregator --member I/N on each)")
@@ -204,11 +226,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> dict:
     """Run the allreduce; returns the summary dict."""
+    leaves = job_from_mapping({"leaves": args.leaves}, "--leaves").leaves if args.leaves else None
     job = JobConfig(job=args.job, key=args.key, workers=args.workers, threshold=args.threshold, bits=args.bits,
                     granularity=args.granularity, p=args.p, slots=args.slots, elems=args.elems,
-                    multicast=args.multicast, mtu=args.mtu)
+                    multicast=args.multicast, mtu=args.mtu, leaves=leaves)
     with tempfile.TemporaryDirectory(prefix="thc-allreduce-") as tmp, contextlib.ExitStack() as stack:
-        if args.aggregator:
+        leaf_addresses = None
+        if args.parent_loss and not job.tiered:
+            raise ValueError("--parent-loss is for two tiers (--leaves)")
+        if job.tiered:
+            if args.aggregator or args.aggregators > 1 or args.shards > 1 or args.pcap:
+                raise ValueError("--leaves starts its own spine and leaves: drop --aggregator, --aggregators, "
+                                 "--shards and --pcap")
+            spine = stack.enter_context(local_aggregator([job], extra=["--role", "spine"]))
+            leaf_addresses = [stack.enter_context(local_aggregator(
+                [job], extra=["--role", "leaf", "--leaf", str(leaf), "--upstream", f"{spine[0]}:{spine[1]}",
+                              "--parent-loss", str(args.parent_loss), "--seed", str(args.seed * 64 + leaf)]))
+                for leaf in range(len(job.leaves))]
+            members = [spine]
+        elif args.aggregator:
             members = list(args.aggregator)
         else:
             members = [stack.enter_context(local_aggregator(
@@ -216,7 +252,7 @@ def run(args: argparse.Namespace) -> dict:
                 pcap=member_pcap(args.pcap, i, args.aggregators))) for i in range(args.aggregators)]
         spec = RunSpec(job, members, args.shards, args.dim, args.steps, args.seed, args.loss_policy,
                        args.drop_up, args.drop_down, args.timeout, args.deadline, tmp, args.multicast, args.retries,
-                       args.pcap if args.aggregator else None)
+                       args.pcap if args.aggregator else None, leaf_addresses)
         ctx = mp.get_context("fork")
         barrier = ctx.Barrier(args.workers)
         procs = [ctx.Process(target=_worker, args=(spec, w, barrier), name=f"thc-worker{w}")
@@ -238,7 +274,10 @@ def run(args: argparse.Namespace) -> dict:
             raise RuntimeError("worker failed: " + ("; ".join(msgs) or "exit codes "
                                                      + str([pr.exitcode for pr in procs])))
         data = [np.load(Path(tmp) / f"worker{w}.npz") for w in range(args.workers)]
-        return summarize(job, args, data, wall, ",".join(f"{h}:{p}" for h, p in members))
+        where = ",".join(f"{h}:{p}" for h, p in members)
+        if leaf_addresses:
+            where = f"spine {where}, leaves " + ",".join(f"{h}:{p}" for h, p in leaf_addresses)
+        return summarize(job, args, data, wall, where)
 
 
 def summarize(job: JobConfig, args: argparse.Namespace, data: list, wall: float, where: str) -> dict:

@@ -1,7 +1,8 @@
 """Job configuration: what the aggregator needs to know about a job before its first packet.
 
 A job is refused here, when it is configured, if its sums could overflow the result width
-(g * n >= 2^width), if it has more than 32 workers, or if a result packet would not fit the path MTU.
+(g * n >= 2^width), if it has more than 32 workers (1,024 in a two-tier job: ``leaves``), or if a result
+packet would not fit the path MTU.
 A ``dar`` job (decompress-aggregate-recompress, software aggregator only) is refused if its codec is
 unknown or homomorphic, or if its preallocated reassembly buffers would be unreasonably large.
 The config file format (TOML) is documented in docs/aggregator.md.
@@ -63,6 +64,12 @@ class JobConfig:
     preallocated reassembly buffers), ``seed`` the base of the per-round seed of stochastic
     re-encoding; ``elems`` is the message bytes per fragment (default: what fits ``mtu``),
     ``result_bits`` is 8 and ``table_id`` 0. The THC table knobs are ignored.
+
+    ``leaves`` (a two-tier job, docs/protocol.md "Two tiers"): the local worker count n_l of each leaf
+    aggregator, in leaf order; ``workers`` is then their sum (at most 32 leaves of at most 32 workers),
+    the job's worker w is local worker ``tier_of(w)`` of its leaf, ``threshold`` counts workers at the
+    spine, and ``result_bits`` is the spine's width (what the workers decode). ``leaf(l)`` is the
+    one-tier job leaf l serves; ``partial_bits(l)`` the width of its partial sums.
     """
 
     job: int = DEFAULT_JOB_ID
@@ -83,6 +90,7 @@ class JobConfig:
     length: int | None = None  #: dar: tensor length d
     max_message: int | None = None  #: dar: largest codec message, bytes (uplink and downlink)
     seed: int | None = None  #: dar: base seed of the per-round re-encoding seed (default 0)
+    leaves: tuple[int, ...] | None = None  #: two-tier job: local workers of each leaf (docs/protocol.md)
     _lookup: LookupTable | None = field(default=None, init=False, repr=False, compare=False)
     _table_id: int = field(default=0, init=False, repr=False, compare=False)  # a hash: computed once
 
@@ -91,7 +99,9 @@ class JobConfig:
             raise JobConfigError(f"job id must be in [0, 65536), got {self.job}")
         if not 0 <= self.key < 1 << 32:
             raise JobConfigError(f"key must be a 32-bit unsigned integer, got {self.key}")
-        if not 1 <= self.workers <= MAX_WORKERS:
+        if self.leaves is not None:
+            self._check_leaves()
+        elif not 1 <= self.workers <= MAX_WORKERS:
             raise JobConfigError(f"job {self.job}: workers must be in 1..{MAX_WORKERS}, got {self.workers}")
         thr = self.workers if self.threshold is None else self.threshold
         if not 1 <= thr <= self.workers:
@@ -162,6 +172,72 @@ class JobConfig:
             total = HEADER_BYTES + IP_UDP_OVERHEAD + k * per
             raise JobConfigError(f"job {self.job}: a result of {k} x {self.result_bits}-bit sums "
                                  f"({total} bytes with headers) exceeds the mtu {self.mtu}")
+
+    def _check_leaves(self) -> None:
+        """Validate a two-tier job's leaf layout (the widths are checked with the one-tier rules)."""
+        leaves = tuple(self.leaves)
+        object.__setattr__(self, "leaves", leaves)
+        if not 1 <= len(leaves) <= MAX_WORKERS or any(isinstance(n, bool) or not isinstance(n, int) or
+                                                      not 1 <= n <= MAX_WORKERS for n in leaves):
+            raise JobConfigError(f"job {self.job}: leaves must list 1..{MAX_WORKERS} leaves of 1..{MAX_WORKERS} "
+                                 f"workers each, got {list(leaves)}")
+        if self.workers != sum(leaves):
+            raise JobConfigError(f"job {self.job}: workers={self.workers} but the leaves hold {sum(leaves)} "
+                                 f"({'+'.join(map(str, leaves))}); set workers={sum(leaves)}")
+        if self.kind == "dar":
+            raise JobConfigError(f"job {self.job}: dar jobs have one tier (the software aggregator); drop leaves=")
+        if self.multicast is not None:
+            raise JobConfigError(f"job {self.job}: a two-tier job's results travel by unicast; drop multicast=")
+
+    @property
+    def tiered(self) -> bool:
+        """A two-tier job (``leaves`` set)."""
+        return self.leaves is not None
+
+    def check_one_tier(self) -> None:
+        """Raise JobConfigError for a two-tier job: a one-tier aggregator serves ``leaf(l)`` of it at most."""
+        if self.leaves is not None:
+            raise JobConfigError(f"job {self.job} has two tiers (leaves={':'.join(map(str, self.leaves))}): "
+                                 f"serve it with thc-aggregator --role leaf / --role spine")
+
+    def tier_of(self, worker: int) -> tuple[int, int]:
+        """Two-tier job: (leaf, local worker id) of the job's worker ``worker`` (numbered leaf by leaf)."""
+        if self.leaves is None:
+            raise ValueError(f"job {self.job} has one tier")
+        if not 0 <= worker < self.workers:
+            raise ValueError(f"worker {worker} is not in 0..{self.workers - 1}")
+        for leaf, n in enumerate(self.leaves):
+            if worker < n:
+                return leaf, worker
+            worker -= n
+        raise AssertionError("unreachable")
+
+    def partial_bits(self, leaf: int) -> int:
+        """Two-tier job: the width of leaf ``leaf``'s partial sums (smallest of 8/16/32 holding g * n_l;
+        32 for uncompressed jobs)."""
+        n = self.leaves[leaf]
+        if self.kind != "thc":
+            return 32
+        return next(w for w in RESULT_WIDTHS if self.granularity * n < 1 << w)
+
+    def leaf(self, leaf: int) -> JobConfig:
+        """Two-tier job: the one-tier job leaf ``leaf`` serves: its n_l local workers, all of them
+        needed (a leaf forwards only full partials), the spine's result width and K."""
+        if self.leaves is None:
+            raise ValueError(f"job {self.job} has one tier")
+        n = self.leaves[leaf]
+        return JobConfig(job=self.job, key=self.key, workers=n, threshold=n, kind=self.kind, bits=self.bits,
+                         granularity=self.granularity, p=self.p, table=self.table, result_bits=self.result_bits,
+                         slots=self.slots, elems=self.elems, mtu=self.mtu)
+
+    def result_counts(self, contributors: np.ndarray, bitmap: np.ndarray) -> np.ndarray:
+        """Workers summed in results with these ``contributors`` and ``bitmap`` fields: the contributors
+        of a one-tier job; in a two-tier job, whose results count leaves, the workers of the leaves in
+        the bitmap."""
+        if self.leaves is None:
+            return np.asarray(contributors, np.int64)
+        bits = (np.asarray(bitmap, np.int64)[:, None] >> np.arange(len(self.leaves))) & 1
+        return bits @ np.asarray(self.leaves, np.int64)
 
     def _check_dar(self) -> None:
         """Validate and complete a dar job (codec, d, message and fragment sizes, memory)."""
@@ -309,9 +385,14 @@ def job_from_mapping(raw: dict[str, Any], where: str = "job") -> JobConfig:
                 raise JobConfigError(f"{where}: {k} must be an integer, got {v!r}") from None
         elif k == "p" and isinstance(v, str):
             v = _parse_fraction(v, where)
-        elif k == "table" and v is not None:
-            v = tuple(int(x) for x in (v.split(":") if isinstance(v, str) else v))
+        elif k in ("table", "leaves") and v is not None:
+            try:
+                v = tuple(int(x) for x in (v.split(":") if isinstance(v, str) else v))
+            except (TypeError, ValueError):
+                raise JobConfigError(f"{where}: {k} must be integers separated by ':', got {v!r}") from None
         vals[k] = v
+    if vals.get("leaves") and "workers" not in vals:
+        vals["workers"] = sum(vals["leaves"])  # a two-tier job's workers are its leaves'
     if auto:
         vals = _resolve_auto_widths(vals, auto, where)
     return JobConfig(**vals)

@@ -78,7 +78,8 @@ class TransportConfig:
 
     params: JobConfig  #: the job, as the aggregator is configured with it
     worker: int
-    aggregator: tuple[str, int] = ("127.0.0.1", 9451)  #: the aggregator (member 0 where several serve the job)
+    #: the aggregator (member 0 where several serve the job; in a two-tier job, this worker's leaf)
+    aggregator: tuple[str, int] = ("127.0.0.1", 9451)
     #: members 1..N-1 of the aggregators serving the job (thc-aggregator --member I/N), in member order
     more_aggregators: tuple[tuple[str, int], ...] = ()
     shards: int = 1  #: shards of each aggregator (ports PORT..PORT+shards-1)
@@ -126,6 +127,8 @@ class TransportConfig:
             raise ValueError(f"window must be in 1..slots={p.slots}")
         if self.initial_window < 1:
             raise ValueError(f"initial_window must be at least 1, got {self.initial_window}")
+        if p.tiered and len(self.destinations) > 1:
+            raise ValueError("a two-tier job's worker talks to its leaf alone: no more_aggregators or shards")
         if len(self.destinations) > 4096:
             raise ValueError(f"{len(self.destinations)} aggregator shards in all: at most 4096")
 
@@ -202,6 +205,8 @@ class Transport:
         self.socks = [self.sock]
         if cfg.multicast:
             self.socks.append(_multicast_socket(cfg.multicast, cfg.bind_host))
+        #: the ``worker`` field of this worker's packets: its local id at its leaf in a two-tier job
+        self.wire_worker = p.tier_of(cfg.worker)[1] if p.tiered else cfg.worker
         self.next_use = 0
         self.slot_round = [0] * p.slots
         self.stats = TransportStats()
@@ -360,7 +365,8 @@ class Transport:
         count = payloads.shape[0]
         is_norm = typ == PacketType.NORM
         slots, rounds = self._claim_uses(count)
-        hdr = p.request_fields(typ, worker=cfg.worker, slot=slots, round=rounds, tensor=tensor, chunk=np.arange(count))
+        hdr = p.request_fields(typ, worker=self.wire_worker, slot=slots, round=rounds, tensor=tensor,
+                               chunk=np.arange(count))
         pkts = build_batch(hdr, payloads)
         rows = [[row] for row in pkts]  # row views (sendto takes any buffer): no copy per datagram
         k = 1 if is_norm else p.elems
@@ -389,7 +395,7 @@ class Transport:
                 sums[use] = vals.astype(np.uint32).view(np.int32)
             else:
                 sums[use] = vals
-            contrib[use] = hv["contributors"][ok]
+            contrib[use] = p.result_counts(hv["contributors"][ok], hv["bitmap"][ok])  # workers, at any tier
             bitmap[use] = hv["bitmap"][ok]
             return np.where(ok, 1, -1).astype(np.int8)
 

@@ -18,6 +18,8 @@ const bit<8> THC_TYPE_NORM_RESULT = 4;
 const bit<8> THC_TYPE_STRAGGLER = 5;
 const bit<8> THC_TYPE_DAR_DATA = 6;
 const bit<8> THC_TYPE_DAR_RESULT = 7;
+const bit<8> THC_TYPE_PARTIAL = 8;
+const bit<8> THC_TYPE_PARTIAL_NORM = 9;
 
 // Indices of the thc_stats counter: the Python aggregator's Counter, same numbers.
 const bit<32> THC_CTR_RX = 0;

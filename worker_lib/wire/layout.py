@@ -46,6 +46,10 @@ class PacketType(IntEnum):
     DAR_DATA = 6
     #: software aggregator -> worker: one fragment of the re-encoded average of a DAR round
     DAR_RESULT = 7
+    #: leaf -> spine (two-tier jobs): a leaf's K partial sums, its contributor count and bitmap
+    PARTIAL = 8
+    #: leaf -> spine (two-tier jobs): the maximum of a leaf's workers' norm bits
+    PARTIAL_NORM = 9
 
 
 @dataclass(frozen=True)
@@ -64,12 +68,13 @@ class Field:
 FIELDS: tuple[Field, ...] = (
     Field("version", 8, f"protocol version, {VERSION}; other values are dropped"),
     Field("type", 8, "packet type: 1 DATA, 2 RESULT, 3 NORM, 4 NORM_RESULT, 5 STRAGGLER, 6 DAR_DATA, "
-                     "7 DAR_RESULT"),
+                     "7 DAR_RESULT, 8 PARTIAL, 9 PARTIAL_NORM"),
     Field("job", 16, "job id; selects the job's configuration and registers"),
     Field("key", 32, "the job's shared secret; a packet with another key is dropped"),
     Field("table_id", 16, "id of the THC lookup table (\"Table id\" below); 0 for uncompressed and dar jobs"),
-    Field("worker", 8, "sender's worker id, 0..n-1 (echoed in results)"),
-    Field("contributors", 8, "results: number of workers summed; 0 in requests"),
+    Field("worker", 8, "sender's worker id, 0..n-1 (echoed in results); in a two-tier job, the local id at "
+                       "its leaf, and a leaf's index in PARTIAL"),
+    Field("contributors", 8, "results: number of workers summed (two-tier: of leaves); 0 in requests"),
     Field("slot", 16, "aggregator slot (agtr_idx), 0..S-1"),
     Field("round", 16, "the slot's use counter (serial-number arithmetic); in a straggler notice, the "
                        "slot's current round"),

@@ -10,7 +10,7 @@ control planes import it (docs/protocol.md is the normative text; ``layout.FIELD
   ``next_round`` the one increment, ``use_slot_round`` the
   slot and round of a use; both take Python ints or numpy arrays.
 - ``fragment_count``: fragments of a DAR message.
-- ``Counter`` and ``DarCounter``: what an aggregator counts, each with its description (the metric's
+- ``Counter``, ``DarCounter`` and ``TierCounter``: what an aggregator counts, each with its description (the metric's
   help text and the P4 programs' counter indices come from here).
 """
 
@@ -181,6 +181,15 @@ class DarCounter(_Described):
     INCONSISTENT = 21, "dropped: totals differ from those of the message's earlier fragments"
     BAD_MESSAGE = 22, "complete messages the codec could not decode (discarded; the worker may resend)"
     RESULT_TOO_LARGE = 23, "rounds whose re-encoded result exceeded max_message (discarded, logged)"
+
+
+class TierCounter(_Described):
+    """What a two-tier aggregator counts besides ``Counter`` (docs/protocol.md, "Two tiers"): a leaf's
+    exchanges with its parent."""
+
+    FORWARDED = 0, "partials sent to the parent (a leaf's round complete locally)"
+    FORWARDED_AGAIN = 1, "partials sent again (a worker's retransmission found the round forwarded)"
+    STALE_PARENT = 2, "packets from the parent for no forwarded round (duplicates, other rounds): ignored"
 
 
 #: The counters of dropped packets, in check order.

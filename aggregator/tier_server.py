@@ -1,0 +1,172 @@
+"""``thc-aggregator --role leaf|spine``: the two-tier state machines served over UDP.
+
+A leaf (``aggregator.tiers.LeafAggregator``) serves its local workers on its port and talks to its
+parent (the spine) from the same socket; a spine (``SpineAggregator``) serves the leaves. Datagrams are
+read and written in batches (recvmmsg/sendmmsg, ``worker_lib.batch_io``), and each is handled by the
+reference state machine, one at a time: these roles run at the reference's speed (docs/aggregator.md,
+"Two tiers", has the figure), not the batch engine's.
+
+Addresses are learned as docs/protocol.md says: the sender of every packet that passes validation is
+the address of its (job, worker) -- a spine's workers are its leaves -- and a packet for every worker
+of the job goes to each learned one. A leaf's packets from the parent's address are the parent's.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType
+from typing import Literal
+
+import numpy as np
+
+from aggregator.tiers import Dest, LeafAggregator, SpineAggregator
+from worker_lib.batch_io import BatchSocket, sockaddr_in, udp_socket
+from worker_lib.job import JobConfig, JobConfigError
+from worker_lib.wire.protocol import Counter, TierCounter
+
+log = logging.getLogger(__name__)
+
+Role = Literal["leaf", "spine"]
+
+
+@dataclass
+class TierServerConfig:
+    """What a leaf or spine serves, and where."""
+
+    role: Role
+    jobs: list[JobConfig]
+    host: str = "127.0.0.1"
+    port: int = 9451
+    leaf: int | None = None  #: a leaf's index in the jobs' ``leaves``
+    upstream: tuple[str, int] | None = None  #: a leaf's parent (the spine)
+    batch: int = 256
+    poll_timeout: float = 0.05
+    stats_interval: float = 0.0
+    #: a leaf: drop this fraction of the packets to and from the parent (seeded; tests and experiments
+    #: of loss on the leaf-spine link, where tc netem is not available)
+    parent_loss: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.parent_loss < 1.0:
+            raise ValueError(f"parent loss must be in [0, 1), got {self.parent_loss}")
+        if self.role not in ("leaf", "spine"):
+            raise ValueError(f"role must be leaf or spine, got {self.role!r}")
+        if not self.jobs:
+            raise JobConfigError(f"--role {self.role} needs a two-tier job: --job 'leaves=4:4,...'")
+        for cfg in self.jobs:
+            if not cfg.tiered:
+                raise JobConfigError(f"job {cfg.job} has one tier: --role {self.role} serves jobs with "
+                                     f"leaves=N0:N1:...")
+        if self.role == "leaf":
+            if self.leaf is None or self.upstream is None:
+                raise ValueError("--role leaf needs --leaf L (its index) and --upstream HOST:PORT (the spine)")
+        elif self.leaf is not None or self.upstream is not None or self.parent_loss:
+            raise ValueError("--leaf, --upstream and --parent-loss are for --role leaf")
+
+
+class TierServer:
+    """One UDP socket serving a leaf or a spine until ``stop``."""
+
+    def __init__(self, cfg: TierServerConfig, *, out: Callable[[str], None] = print) -> None:
+        self.cfg, self.out = cfg, out
+        if cfg.role == "leaf":
+            self.machine: LeafAggregator | SpineAggregator = LeafAggregator(cfg.leaf, cfg.jobs)
+            self.parent = sockaddr_in(socket.gethostbyname(cfg.upstream[0]), cfg.upstream[1])
+        else:
+            self.machine = SpineAggregator(cfg.jobs)
+            self.parent = b""
+        self.sock = udp_socket(cfg.host, cfg.port)
+        longest = max(32 + job.elems * job.result_bits // 8 for job in cfg.jobs)
+        self.io = BatchSocket(self.sock, batch=cfg.batch, stride=max(longest, 1500), max_send=4096)
+        self.port = self.sock.getsockname()[1]
+        self.addresses: dict[int, dict[int, bytes]] = {job.job: {} for job in cfg.jobs}  # job -> worker -> sockaddr
+        self._tx = np.zeros((self.io.max_send, longest), np.uint8)
+        self._running = True
+        self._rng = np.random.default_rng(cfg.seed)
+        self.parent_dropped = 0  #: packets to or from the parent dropped by ``parent_loss``
+
+    @property
+    def jobs(self) -> list[JobConfig]:
+        return self.cfg.jobs
+
+    def stop(self) -> None:
+        self._running = False
+
+    def install_signal_handlers(self) -> None:
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            self.stop()
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+
+    def totals(self) -> dict[str, int]:
+        """Non-zero counters by label (``Counter`` and, for a leaf, ``TierCounter``)."""
+        out = {c.label: self.machine.counters[c] for c in Counter if self.machine.counters[c]}
+        if isinstance(self.machine, LeafAggregator):
+            out.update({c.label: self.machine.tier_counters[c] for c in TierCounter if self.machine.tier_counters[c]})
+            if self.parent_dropped:
+                out["parent_dropped"] = self.parent_dropped
+        return out
+
+    def serve(self) -> None:
+        """Handle datagrams until ``stop`` (a signal handler may call it)."""
+        import time
+
+        next_stats = time.monotonic() + self.cfg.stats_interval
+        while self._running:
+            if self.io.wait(self.cfg.poll_timeout):
+                self.step()
+            if self.cfg.stats_interval and time.monotonic() >= next_stats:
+                next_stats += self.cfg.stats_interval
+                self.out("thc-aggregator " + " ".join(f"{k}={v}" for k, v in self.totals().items()))
+        self.sock.close()
+
+    def step(self) -> int:
+        """Receive one batch, handle its datagrams in arrival order, send what they caused."""
+        n = self.io.recv()
+        sends: list[tuple[bytes, bytes]] = []  # (packet, sockaddr)
+        machine = self.machine
+        for i in range(n):
+            packet = self.io.rx[i, :self.io.rx_len[i]].tobytes()
+            src = self.io.rx_addr[i].tobytes()
+            from_parent = bool(self.parent) and src[:8] == self.parent[:8]
+            if from_parent and self._lose():
+                continue
+            try:
+                outs = machine.handle(packet, from_parent=from_parent) if from_parent else machine.handle(packet)
+            except Exception:  # a server never crashes on a packet; the reference raising is a bug to log
+                log.exception("packet of %d bytes from %s raised; dropped", len(packet), src[:8].hex())
+                continue
+            hdr = machine.last_valid
+            if hdr is not None and hdr.job in self.addresses:
+                self.addresses[hdr.job][hdr.worker] = src
+            for dest, out in outs:
+                if dest == Dest.PARENT:
+                    if not self._lose():
+                        sends.append((out, self.parent))
+                elif dest == Dest.SENDER:
+                    sends.append((out, src))
+                else:
+                    job = int.from_bytes(out[2:4], "big")
+                    sends.extend((out, a) for a in self.addresses.get(job, {}).values())
+        self._send(sends)
+        return n
+
+    def _lose(self) -> bool:
+        """Whether ``parent_loss`` drops the next packet on the parent link."""
+        lost = bool(self.cfg.parent_loss) and self._rng.random() < self.cfg.parent_loss
+        self.parent_dropped += lost
+        return lost
+
+    def _send(self, sends: list[tuple[bytes, bytes]]) -> None:
+        for start in range(0, len(sends), self.io.max_send):
+            part = sends[start:start + self.io.max_send]
+            lengths = np.array([len(p) for p, _ in part], np.int64)
+            for k, (p, _) in enumerate(part):
+                self._tx[k, :len(p)] = np.frombuffer(p, np.uint8)
+            addrs = np.frombuffer(b"".join(a for _, a in part), np.uint8).reshape(len(part), -1)
+            self.io.send(self._tx, np.arange(len(part)), lengths, addrs)
