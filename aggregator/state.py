@@ -95,6 +95,12 @@ def check_addressing(hdr: Header, cfg: JobConfig | None, shard: int, shards: int
     return None
 
 
+def norm_bits_ok(bits: int) -> bool:
+    """A norm's bits may be maxed as unsigned integers: sign clear (-0.0 too), exponent not all ones
+    (infinite, NaN)."""
+    return not (bits >> 31 or (bits >> 23) & 0xFF == 0xFF)
+
+
 def validate(hdr: Header, length: int, payload: bytes, jobs: Mapping[int, _Configured], shard: int,
              shards: int) -> Counter | None:
     """The first check of docs/protocol.md, "Validation", that a packet fails (None: it is valid).
@@ -115,8 +121,7 @@ def validate(hdr: Header, length: int, payload: bytes, jobs: Mapping[int, _Confi
     if hdr.type == PacketType.NORM:
         if (hdr.elems, hdr.width, length) != (1, 32, HEADER_BYTES + 4):
             return Counter.BAD_FORMAT
-        bits = int.from_bytes(payload[:4], "big")
-        if bits >> 31 or (bits >> 23) & 0xFF == 0xFF:  # negative (-0.0 too), infinite or NaN
+        if not norm_bits_ok(int.from_bytes(payload[:4], "big")):
             return Counter.BAD_NORM
     elif (hdr.elems, hdr.width, length) != (cfg.elems, cfg.data_width, HEADER_BYTES + cfg.data_bytes):
         return Counter.BAD_FORMAT

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
@@ -114,8 +115,6 @@ class TierServer:
 
     def serve(self) -> None:
         """Handle datagrams until ``stop`` (a signal handler may call it)."""
-        import time
-
         next_stats = time.monotonic() + self.cfg.stats_interval
         while self._running:
             if self.io.wait(self.cfg.poll_timeout):

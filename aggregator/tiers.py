@@ -16,15 +16,16 @@ Outputs are ``(Dest, bytes)``: to the sender, to every worker (leaf) of the job,
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 
 import numpy as np
 
-from aggregator.state import RESULT_TYPE, Bank, Job, ReferenceAggregator, check_addressing
+from aggregator.state import RESULT_TYPE, Bank, Job, ReferenceAggregator, check_addressing, norm_bits_ok
 from worker_lib.job import JobConfig, JobConfigError
 from worker_lib.wire.layout import HEADER_BYTES, VERSION, PacketType
-from worker_lib.wire.protocol import Counter, Header, TierCounter
+from worker_lib.wire.protocol import Counter, Header, TierCounter, serial_newer
 from worker_lib.wire.serializer import decode_sums, encode_sums
 
 
@@ -40,11 +41,6 @@ TierOutput = tuple[Dest, bytes]
 
 #: The partial a leaf sends for a round of each kind.
 PARTIAL_TYPE = {PacketType.DATA: PacketType.PARTIAL, PacketType.NORM: PacketType.PARTIAL_NORM}
-
-
-def norm_bits_ok(bits: int) -> bool:
-    """A norm's bits may be maxed: sign clear, exponent not all ones (docs/protocol.md, "Jobs")."""
-    return not (bits >> 31 or (bits >> 23) & 0xFF == 0xFF)
 
 
 def _two_tier(cfg: JobConfig) -> JobConfig:
@@ -117,7 +113,7 @@ class LeafAggregator(ReferenceAggregator):
 
     bank_type = LeafBank
 
-    def __init__(self, leaf: int, jobs: tuple[JobConfig, ...] | list[JobConfig] = (), *, shard: int = 0,
+    def __init__(self, leaf: int, jobs: Iterable[JobConfig] = (), *, shard: int = 0,
                  shards: int = 1) -> None:
         self.leaf = leaf
         self.tier_jobs: dict[int, JobConfig] = {}
@@ -149,18 +145,21 @@ class LeafAggregator(ReferenceAggregator):
         if failed is not None:
             return self._nothing_but(failed)
         job = self.jobs[hdr.job]
-        bank = job.slots[hdr.slot].banks[hdr.round % 2]
-        is_notice = hdr.type == PacketType.STRAGGLER
-        # The notice of a round r carries the spine's newer round: it matches the bank by its own header
-        # only in slot and bank, so a forwarded bank takes any notice for its slot and bank.
-        if not bank.forwarded or bank.complete or bank.upstream_round is not None or (
-                not is_notice and (bank.round != hdr.round or RESULT_TYPE[bank.kind] != hdr.type)):
-            self.tier_counters[TierCounter.STALE_PARENT] += 1
-            return []
-        if is_notice:
-            bank.upstream_round = hdr.round
+        slot = job.slots[hdr.slot]
+        if hdr.type == PacketType.STRAGGLER:
+            # A notice carries the spine's newer round, not the forwarded one: it is for the forwarded
+            # bank of its slot whose round is older than that.
+            waiting = [b for b in slot.banks if self._forwarded(b) and serial_newer(hdr.round, b.round)]
+            if not waiting:
+                self.tier_counters[TierCounter.STALE_PARENT] += 1
+                return []
+            waiting[0].upstream_round = hdr.round
             self._count(Counter.STRAGGLER)
             return [(Dest.ALL, packet)]
+        bank = slot.banks[hdr.round % 2]
+        if not self._forwarded(bank) or bank.round != hdr.round or RESULT_TYPE[bank.kind] != hdr.type:
+            self.tier_counters[TierCounter.STALE_PARENT] += 1
+            return []
         if hdr.type == PacketType.NORM_RESULT:
             bank.norm = int.from_bytes(payload[:4], "big")
         else:
@@ -169,6 +168,12 @@ class LeafAggregator(ReferenceAggregator):
         bank.count, bank.bitmap, bank.complete = hdr.contributors, hdr.bitmap, True
         self._count(Counter.COMPLETED)
         return [(Dest.ALL, packet)]
+
+    @staticmethod
+    def _forwarded(bank: Bank) -> bool:
+        """FORWARDED: complete here, the partial sent, the spine has not answered."""
+        assert isinstance(bank, LeafBank)
+        return bank.forwarded and not bank.complete and bank.upstream_round is None
 
     def _validate_parent(self, hdr: Header, length: int) -> Counter | None:
         """The checks of a packet from the parent (docs/protocol.md, "Leaf state table")."""

@@ -24,7 +24,8 @@ from sim.experiments import (
     total_steps,
     training_experiment,
 )
-from sim.plots import plot_nmse, plot_training
+from sim.plots import plot_nmse, plot_step_time, plot_training
+from sim.tiered import step_time_rows
 from worker_lib.cli.args import float_in, int_in
 
 TITLES = {
@@ -32,7 +33,10 @@ TITLES = {
     "loss": "Packet loss (10 workers, 4 bits, g = 20, p = 1/512)",
     "stragglers": "Stragglers: partial aggregation (10 workers, 4 bits, g = 20, p = 1/512)",
     "codecs": "THC vs TernGrad and TopK 10% (10 workers)",
+    "tiers": "Two tiers (leaves and a spine, reference state machines) vs one flat aggregator",
 }
+#: The gradient and the NICs of the tiers experiment's step-time model (sim.tiered.step_time).
+MODEL_COORDS, MODEL_RATE = 1 << 24, 10e9
 LOSS_NOTES = {
     "protocol": "loss model: the protocol's zero-fill policy through the reference aggregator "
                 "(lost chunk = zero in the rotated domain)",
@@ -119,6 +123,14 @@ def main(argv: list[str] | None = None) -> int:
                 png = plot_training(name, runs, TITLES[name], out / f"{name}.png", note)
                 print(_markdown(summary, ["group", "setting", "final_accuracy", "gap_to_baseline",
                                           "steps_to_target", "model_divergence", "lost_chunks"]))
+                if name == "tiers":
+                    model = step_time_rows(MODEL_COORDS, MODEL_RATE)
+                    _write_csv(out / "tiers_step_time.csv", model)
+                    plot_step_time(model, out / "tiers_step_time.png")
+                    print(f"\nstep time, link-rate model ({MODEL_COORDS:,} coordinates, {MODEL_RATE / 1e9:g} Gbit/s "
+                          f"NICs, software aggregators; wrote {out / 'tiers_step_time.png'}):")
+                    print(_markdown([{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
+                                     for r in model], ["workers", "leaves", "flat_s", "two_tiers_s", "worker_link_s"]))
     except (ValueError, RuntimeError) as exc:
         print(f"thc-sim: error: {exc}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ without them and answers with the retained result, which is what a late worker o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -177,11 +178,20 @@ class SimulatedNetwork:
         return StepExchange(self, late)
 
 
+class StagedNetwork(Protocol):
+    """What ``StepExchange`` drives: the norm stage and the data stage of all n workers of a job (this
+    module's one-tier network, ``sim.tiered``'s two tiers and flat design)."""
+
+    def norm_stage(self, norms: np.ndarray, late: np.ndarray, tensor: int = 0) -> np.ndarray: ...
+
+    def data_stage(self, indices: np.ndarray, late: np.ndarray, tensor: int = 0) -> list[UseResults]: ...
+
+
 @dataclass
 class StepExchange:
     """The simulated network as the allreduce's exchange for all n workers of one step."""
 
-    net: SimulatedNetwork
+    net: StagedNetwork
     late: np.ndarray  #: (workers,) bool: these send after everyone else
 
     def exchange_norms(self, norms: np.ndarray, *, tensor: int) -> np.ndarray:

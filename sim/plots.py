@@ -64,3 +64,26 @@ def plot_nmse(rows: list[dict], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_step_time(rows: list[dict], path: Path) -> Path:
+    """The link-rate model's step time against the number of workers: flat, two tiers, a worker's link."""
+    fig, ax = plt.subplots(figsize=(6.2, 4.2))
+    n = [r["workers"] for r in rows]
+    for key, label in (("flat_s", "flat: one software aggregator"),
+                       ("two_tiers_s", "two tiers: software leaves (32 workers each) and spine"),
+                       ("worker_link_s", "a worker's link (switches at line rate, either design)")):
+        ax.plot(n, [r[key] for r in rows], "o-", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("workers")
+    ax.set_ylabel("seconds per allreduce (busiest NIC)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    r = rows[0]
+    ax.set_title(f"Link-rate model: {r['coords']:,} coordinates, 4-bit THC, {r['rate_gbps']:g} Gbit/s NICs",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -22,10 +22,12 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from sim.data import Dataset, load_dataset, shard_indices
 from sim.models import make_model
-from sim.network import LinkLoss, NetworkStats, SimulatedNetwork
+from sim.network import LinkLoss, NetworkStats, SimulatedNetwork, StagedNetwork
+from sim.tiered import FlatNetwork, TieredNetwork
 from worker_lib.allreduce import thc_allreduce
 from worker_lib.job import JobConfig
 from worker_lib.thc import THCConfig, THCWorker, next_pow2
+from worker_lib.wire.layout import MAX_WORKERS
 
 Compression = str  # "thc", "none", or a name from worker_lib.codecs.CODEC_NAMES
 LossModel = Literal["protocol", "paper"]
@@ -53,6 +55,12 @@ class SimConfig:
     sync_every_epoch: bool = False
     elems: int = 256  # K: coordinates per packet
     slots: int = 64
+    #: two tiers: the workers split as evenly as possible over this many leaves under one spine
+    #: (sim.tiered.TieredNetwork); 0: one aggregator (the wire's, up to 32 workers; the flat design's
+    #: outcome without packets, sim.tiered.FlatNetwork, beyond)
+    leaves: int = 0
+    spine_drop_up: float = 0.0  # two tiers: loss on the leaves' links to the spine, leaf -> spine
+    spine_drop_down: float = 0.0  # and spine -> leaf
     eval_every: int = 5
     seed: int = 0
 
@@ -63,12 +71,25 @@ class SimConfig:
             raise ValueError(f"stragglers must be in 0..workers-1, got {self.stragglers}")
         if self.threshold is not None and not 1 <= self.threshold <= self.workers - self.stragglers:
             raise ValueError(f"threshold must be in 1..workers-stragglers = {self.workers - self.stragglers}")
+        if not 0 <= self.leaves <= MAX_WORKERS:
+            raise ValueError(f"leaves must be in 0..{MAX_WORKERS}, got {self.leaves}")
+        if self.workers > MAX_WORKERS * (self.leaves or MAX_WORKERS) or self.leaves > self.workers:
+            raise ValueError(f"{self.workers} workers over {self.leaves} leaves: at least one and at most "
+                             f"{MAX_WORKERS} workers a leaf, {MAX_WORKERS * MAX_WORKERS} in all")
+        if (self.spine_drop_up or self.spine_drop_down) and not self.leaves:
+            raise ValueError("spine_drop_up/down are losses of two tiers: set leaves")
         if self.loss_model not in ("protocol", "paper"):
             raise ValueError(f"loss_model must be 'protocol' or 'paper', got {self.loss_model!r}")
         if (self.drop_up or self.drop_down or self.stragglers) and self.compression != "thc" \
                 and self.loss_model == "protocol":
             raise ValueError("loss and stragglers go through the THC aggregator: use compression='thc' "
                              "(or loss_model='paper')")
+
+    @property
+    def leaf_sizes(self) -> tuple[int, ...]:
+        """Workers per leaf (two tiers; the flat design past 32 workers borrows the split for its job)."""
+        groups = self.leaves or -(-self.workers // MAX_WORKERS)
+        return tuple(len(a) for a in np.array_split(np.arange(self.workers), groups))
 
     @property
     def completion_threshold(self) -> int:
@@ -155,10 +176,17 @@ class _THCExchange:
         self.workers = [THCWorker(thc, job=1, worker=w, seed=cfg.seed * 7919 + w) for w in range(cfg.workers)]
         padded = next_pow2(length)
         k = min(cfg.elems, padded)
+        leaves = cfg.leaf_sizes if cfg.leaves or cfg.workers > MAX_WORKERS else None
         job = JobConfig(job=1, workers=cfg.workers, threshold=cfg.completion_threshold, bits=cfg.bits,
-                        granularity=cfg.granularity, p=cfg.p, slots=cfg.slots, elems=k)
+                        granularity=cfg.granularity, p=cfg.p, slots=cfg.slots, elems=k, leaves=leaves)
         loss = LinkLoss(cfg.drop_up, cfg.drop_down) if cfg.loss_model == "protocol" else LinkLoss()
-        self.net = SimulatedNetwork(job, loss, seed=cfg.seed + 101)
+        if cfg.leaves:
+            self.net: StagedNetwork = TieredNetwork(job, loss, LinkLoss(cfg.spine_drop_up, cfg.spine_drop_down),
+                                                    seed=cfg.seed + 101)
+        elif leaves:
+            self.net = FlatNetwork(job, loss, seed=cfg.seed + 101)
+        else:
+            self.net = SimulatedNetwork(job, loss, seed=cfg.seed + 101)
 
     def average(self, grads: list[torch.Tensor], late: np.ndarray, step: int) -> list[torch.Tensor]:
         results = thc_allreduce(self.workers, self.net.step(late), grads, tensor=0, step=step)

@@ -149,16 +149,19 @@ def test_leaf_checks_what_comes_from_the_parent_and_from_elsewhere() -> None:
     assert leaf.handle(good, from_parent=True) == [(Dest.ALL, good)]  # the state survived all that
 
 
-def test_leaf_passes_a_spine_straggler_notice_down_and_answers_later_packets_with_it() -> None:
+@pytest.mark.parametrize("spine_round", [2, 3])  # the notice's round need not share the bank's parity
+def test_leaf_passes_a_spine_straggler_notice_down_and_answers_later_packets_with_it(spine_round: int) -> None:
     leaf = LeafAggregator(0, [JOB])
     [(_, partial)] = [o for w in (0, 1, 2) for o in leaf.handle(data(JOB, w))]
-    notice = Header.parse(partial)[0].replace(type=PacketType.STRAGGLER, round=2, elems=0, width=0,
+    notice = Header.parse(partial)[0].replace(type=PacketType.STRAGGLER, round=spine_round, elems=0, width=0,
                                               contributors=0, bitmap=0).pack()
     assert leaf.handle(notice, from_parent=True) == [(Dest.ALL, notice)]
     [(dest, again)] = leaf.handle(data(JOB, 1))
     hdr = Header.parse(again)[0]
-    assert dest == Dest.SENDER and (hdr.type, hdr.round, hdr.worker) == (PacketType.STRAGGLER, 2, 1)
+    assert dest == Dest.SENDER and (hdr.type, hdr.round, hdr.worker) == (PacketType.STRAGGLER, spine_round, 1)
     assert leaf.counters[Counter.STRAGGLER] == 2
+    assert leaf.handle(notice, from_parent=True) == []  # the same notice again: nothing waits for it
+    assert leaf.tier_counters[TierCounter.STALE_PARENT] == 1
 
 
 # -- the spine ------------------------------------------------------------------------------------------

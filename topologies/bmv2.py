@@ -45,13 +45,16 @@ class CompiledProgram:
     compiler_output: str
 
 
-def compile_p4(src: Path, outdir: Path, *, timeout: float = 300.0) -> CompiledProgram:
-    """Compile a THC program with p4c-bm2-ss into ``outdir`` (``<stem>.json``, ``<stem>.p4info.txtpb``);
-    raise ToolMissing without the compiler, RuntimeError on a compile error."""
+def compile_p4(src: Path, outdir: Path, *, timeout: float = 300.0, defines: tuple[str, ...] = (),
+               stem: str | None = None) -> CompiledProgram:
+    """Compile a THC program with p4c-bm2-ss into ``outdir`` (``<stem>.json``, ``<stem>.p4info.txtpb``;
+    ``stem`` defaults to the source's) with the preprocessor ``defines``; raise ToolMissing without the
+    compiler, RuntimeError on a compile error."""
     outdir.mkdir(parents=True, exist_ok=True)
-    out_json, out_info = outdir / f"{src.stem}.json", outdir / f"{src.stem}.p4info.txtpb"
-    cmd = [find_tool("p4c-bm2-ss"), "--std", "p4-16", "-I", str(gen.INCLUDE_DIR), "-o", str(out_json),
-           "--p4runtime-files", str(out_info), str(src)]
+    stem = stem or src.stem
+    out_json, out_info = outdir / f"{stem}.json", outdir / f"{stem}.p4info.txtpb"
+    cmd = [find_tool("p4c-bm2-ss"), "--std", "p4-16", "-I", str(gen.INCLUDE_DIR), *(f"-D{d}" for d in defines),
+           "-o", str(out_json), "--p4runtime-files", str(out_info), str(src)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"p4c-bm2-ss failed on {src}:\n{proc.stderr}{proc.stdout}")
@@ -59,11 +62,14 @@ def compile_p4(src: Path, outdir: Path, *, timeout: float = 300.0) -> CompiledPr
 
 
 def compile_program(outdir: Path, *, elems: int = 32, bits: int = 4, result_bits: int = 8, slots: int = 1024,
-                    jobs: int = 8, timeout: float = 300.0) -> CompiledProgram:
-    """Render the program for the geometry into ``outdir``/thc.p4 and compile it (``compile_p4``)."""
+                    jobs: int = 8, timeout: float = 300.0, leaf: bool = False) -> CompiledProgram:
+    """Render the program for the geometry into ``outdir``/thc.p4 and compile it (``compile_p4``); with
+    ``leaf``, as the leaf of two-tier jobs (-DTHC_LEAF, outputs thc_leaf.json and thc_leaf.p4info.txtpb)."""
     outdir.mkdir(parents=True, exist_ok=True)
     src = outdir / "thc.p4"
     src.write_text(gen.render(gen.Geometry(elems, bits, result_bits, slots, jobs)))
+    if leaf:
+        return compile_p4(src, outdir, timeout=timeout, defines=("THC_LEAF",), stem="thc_leaf")
     return compile_p4(src, outdir, timeout=timeout)
 
 

@@ -8,7 +8,7 @@ One ``ThcSwitch`` per switch; see docs/bmv2.md.
 from aggregator.p4rt.client import P4RuntimeClient, SwitchAddress, wait_for_port, wait_for_socket, wait_for_switch
 from aggregator.p4rt.p4info import P4InfoIndex, load_p4info, program_geometry
 from aggregator.p4rt.thc import ThcSwitch, job_updates
-from aggregator.switch.entries import InstalledJob, Placement, ProgramGeometry, check_job
+from aggregator.switch.entries import InstalledJob, Placement, ProgramGeometry, Uplink, check_job
 from aggregator.switch.errors import (
     JobRefused,
     NotPrimary,
@@ -32,6 +32,7 @@ __all__ = [
     "SwitchRejected",
     "SwitchUnreachable",
     "ThcSwitch",
+    "Uplink",
     "check_job",
     "job_updates",
     "load_p4info",

@@ -39,17 +39,20 @@ from aggregator.switch.entries import (
     MulticastGroup,
     Placement,
     ProgramGeometry,
+    Uplink,
     check_job,
+    check_leaf_job,
     job_entries,
     lookup_table,
     new_generation,
     place_job,
     route_entry,
     service_entry,
+    uplink_entry,
 )
 from aggregator.switch.errors import JobRefused, P4InfoError, SwitchRejected
 from worker_lib.job import JobConfig
-from worker_lib.wire.protocol import Counter
+from worker_lib.wire.protocol import Counter, TierCounter
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +145,7 @@ class ThcSwitch:
         self.clock = clock
         self._index: P4InfoIndex | None = None
         self._geometry: ProgramGeometry | None = None
+        self._uplink: Uplink | None = None
 
     def close(self) -> None:
         self.client.close()
@@ -167,7 +171,7 @@ class ThcSwitch:
         geometry = program_geometry(index)
         self._delete_multicast_groups()
         self.client.set_pipeline(info, blob)
-        self._index, self._geometry = index, geometry
+        self._index, self._geometry, self._uplink = index, geometry, None
         log.info("%s: program loaded, %s", self.address.target, geometry)
         return geometry
 
@@ -259,6 +263,35 @@ class ThcSwitch:
         log.info("%s: job %d configured at %s", self.address.target, cfg.job, place)
         return place
 
+    @property
+    def is_leaf(self) -> bool:
+        """Whether the running program is the leaf program (compiled with -DTHC_LEAF: it has thc_uplink)."""
+        return any(name.endswith("thc_uplink") for name in self.index.tables)
+
+    def configure_leaf(self, cfg: JobConfig, ports: tuple[int, ...] | list[int], uplink: Uplink,
+                       generation: int | None = None) -> Placement:
+        """Serve leaf ``uplink.leaf`` of the two-tier job ``cfg`` (docs/protocol.md, "Two tiers"): its
+        one-tier job ``cfg.leaf(l)`` (local workers on ``ports``) and the uplink to the parent. One uplink
+        per switch: every two-tier job it serves has the same leaf index and leaf count. Raises JobRefused
+        (nothing written) if the program is not the leaf program or cannot serve the job."""
+        if not self.is_leaf:
+            raise JobRefused(f"job {cfg.job}: the running program is not the leaf program (compile it with "
+                             f"-DTHC_LEAF: topologies.bmv2.compile_program(leaf=True))")
+        check_leaf_job(cfg, self.geometry, uplink)
+        if self._uplink is not None and (self._uplink.leaf, self._uplink.leaves) != (uplink.leaf, uplink.leaves):
+            raise JobRefused(f"job {cfg.job}: this switch is leaf {self._uplink.leaf} of {self._uplink.leaves}; "
+                             f"one uplink serves every job")
+        up = table_update(self.index, uplink_entry(uplink), MODIFY)
+        up.entity.table_entry.is_default_action = True
+        place = self.configure_job(cfg.leaf(uplink.leaf), ports, generation)
+        self.client.write([up])
+        self._uplink = uplink
+        return place
+
+    def tier_stats(self) -> dict[str, int]:
+        """A leaf program's ``thc_tier_stats`` (``worker_lib.wire.protocol.TierCounter`` names)."""
+        return self._read_counter("thc_tier_stats", TierCounter)
+
     def remove_job(self, job: int) -> None:
         """Delete a job's entries (job entry first, so its packets are dropped as unknown at once)."""
         installed = {j.job: j for j in self.jobs()}
@@ -298,20 +331,24 @@ class ThcSwitch:
         The program counts accepted DATA packets at ELEMENTS; this returns them times K, the
         Python aggregator's meaning (elements aggregated).
         """
-        cid, _size = self.index.counter("thc_stats")
+        out = self._read_counter("thc_stats", Counter)
+        out["ELEMENTS"] *= self.geometry.elems
+        return out
+
+    def _read_counter(self, name: str, names: type[Counter] | type[TierCounter]) -> dict[str, int]:
+        """A packet counter array by the names of its enum."""
+        cid, _size = self.index.counter(name)
         ent = p4runtime_pb2.Entity()
         ent.counter_entry.counter_id = cid
-        out = {c.name: 0 for c in Counter}
+        out = {c.name: 0 for c in names}
         for e in self.client.read([ent]):
             ce = e.counter_entry
             if ce.counter_id != cid:
                 continue
             try:
-                name = Counter(ce.index.index).name
+                out[names(ce.index.index).name] = int(ce.data.packet_count)
             except ValueError:
                 continue
-            out[name] = int(ce.data.packet_count)
-        out["ELEMENTS"] *= self.geometry.elems
         return out
 
     def read_register(self, name: str, index: int | None = None) -> dict[int, int]:

@@ -213,6 +213,44 @@ def job_entries(cfg: JobConfig, geometry: ProgramGeometry, ports: tuple[int, ...
     return JobEntries(lookups, group, job)
 
 
+@dataclass(frozen=True)
+class Uplink:
+    """A leaf switch's parent (docs/protocol.md, "Two tiers"): this leaf's index among the job's
+    ``leaves``, their count, and where partials go (the spine's address and UDP port, the next hop's
+    MAC and the switch port towards it)."""
+
+    leaf: int
+    leaves: int
+    ip: str
+    port: int
+    mac: str
+    out_port: int
+
+
+def uplink_entry(up: Uplink) -> LogicalEntry:
+    """The default action of the leaf program's keyless ``thc_uplink`` table."""
+    return LogicalEntry("thc_uplink", (), "uplink",
+                        (("leaf", up.leaf), ("leaves", up.leaves), ("parent_ip", int(ipaddress.IPv4Address(up.ip))),
+                         ("parent_port", up.port), ("parent_mac", mac_int(up.mac)), ("parent_out", up.out_port)))
+
+
+def check_leaf_job(cfg: JobConfig, geometry: ProgramGeometry, up: Uplink) -> None:
+    """Raise JobRefused unless the leaf program can serve leaf ``up.leaf`` of the two-tier job ``cfg``:
+    its partials leave at the program's sum width, so the leaf's width (``JobConfig.partial_bits``) must
+    be that width, as must the spine's (what the workers decode)."""
+    where = f"job {cfg.job}"
+    if not cfg.tiered:
+        raise JobRefused(f"{where} has one tier: configure it with configure_job on a one-tier program")
+    if (len(cfg.leaves), up.leaf) != (up.leaves, up.leaf) or not 0 <= up.leaf < len(cfg.leaves):
+        raise JobRefused(f"{where}: the uplink is leaf {up.leaf} of {up.leaves}, the job has "
+                         f"{len(cfg.leaves)} leaves")
+    width = cfg.partial_bits(up.leaf)
+    if width != geometry.result_bits:
+        raise JobRefused(f"{where}: leaf {up.leaf}'s partials need {width}-bit sums (g * n_l = "
+                         f"{cfg.granularity} * {cfg.leaves[up.leaf]}); the program sends {geometry.result_bits}-bit "
+                         f"partials (compile it with --result-bits {width}, or use more leaves)")
+
+
 def service_entry(ip: str, mac: str) -> LogicalEntry:
     """The ``thc_service`` entry that makes ``ip`` an aggregator address answering from ``mac``."""
     return LogicalEntry("thc_service", (Match("hdr.ipv4.dstAddr", int(ipaddress.IPv4Address(ip))),),

@@ -28,6 +28,14 @@
  * ThcElement (one element's lookup and sum; K instances), ThcReply (the answer's header), composed
  * by ThcIngress; ThcEgress addresses each multicast replica.
  *
+ * The leaf of a two-tier job (docs/protocol.md, "Two tiers") is this program compiled with -DTHC_LEAF
+ * (topologies.bmv2.compile_program(leaf=True)): a round complete here is FORWARDED as a PARTIAL to the
+ * parent (table thc_uplink) instead of multicast; the parent's RESULT / NORM_RESULT is stored in the bank
+ * (which becomes COMPLETE) and multicast to the local workers unchanged, its STRAGGLER makes the bank
+ * UPSTREAM_STALE; a worker's retransmission that finds the bank FORWARDED sends the PARTIAL again. Its
+ * partials carry the sums at the program's result width, so it serves the jobs whose leaf width
+ * (JobConfig.partial_bits) is that width. The THC_LEAF blocks below are all it adds.
+ *
  * Register reset: BMv2's P4Runtime server cannot write registers, so every job carries a 32-bit
  * generation number in its thc_jobs entry; slot, bank and worker state written under another
  * generation reads as empty. Reconfiguring a job with a new generation resets it in one table write.
@@ -147,6 +155,9 @@ const bit<8> EMIT_NONE = 0;
 const bit<8> EMIT_MULTICAST = 1;  // completion: RESULT / NORM_RESULT to every (known) worker of the job
 const bit<8> EMIT_RETAINED = 2;   // retained result, unicast to the sender
 const bit<8> EMIT_STRAGGLER = 3;  // straggler notice, unicast to the sender
+#ifdef THC_LEAF
+const bit<8> EMIT_PARTIAL = 4;    // a leaf's PARTIAL / PARTIAL_NORM, to the parent
+#endif
 
 struct thc_metadata_t {
     // The job's row of thc_jobs (ThcValidate).
@@ -175,11 +186,26 @@ struct thc_metadata_t {
     bit<THC_RESULT_BITS> keep;
     bit<THC_RESULT_BITS> add;
     bit<32> sum_base;
+#ifdef THC_LEAF
+    // The leaf's uplink (thc_uplink) and whether this packet is the parent's.
+    bit<1> uplink_hit;
+    bit<8> leaf;            // this leaf's index (the PARTIAL's worker field)
+    bit<8> leaves;          // the job's leaf count (a parent packet's worker field is below it)
+    ipv4_addr_t parent_ip;
+    bit<16> parent_port;
+    mac_addr_t parent_mac;
+    bit<9> parent_out;
+    bit<1> from_parent;
+#endif
 }
 
 // Counter indices are worker_lib.wire.protocol.Counter's; ELEMENTS counts accepted DATA packets here
 // (the control plane multiplies by K).
 counter(THC_NUM_COUNTERS, CounterType.packets) thc_stats;
+#ifdef THC_LEAF
+// A leaf's exchanges with its parent: worker_lib.wire.protocol.TierCounter's indices.
+counter(THC_NUM_TIER_COUNTERS, CounterType.packets) thc_tier_stats;
+#endif
 
 // The sums of every bank: K per bank, element e of bank gb at gb * K + e.
 register<bit<THC_RESULT_BITS>>(THC_BANKS * THC_K) sums;
@@ -195,7 +221,24 @@ parser ThcParser(packet_in pkt, out thc_headers_t hdr, inout thc_metadata_t meta
     ThcHeaderParser() thc_parser;
     state start {
         thc_parser.apply(pkt, hdr.ethernet, hdr.ipv4, hdr.udp, hdr.thc, hdr.data, hdr.norm);
+#ifdef THC_LEAF
+        // The parent's answers carry K sums or a norm (the shared parser stops after the THC header).
+        transition select(hdr.thc.isValid(), hdr.thc.version, hdr.thc.type_) {
+            (true, THC_VERSION, THC_TYPE_RESULT): parse_result;
+            (true, THC_VERSION, THC_TYPE_NORM_RESULT): parse_norm_result;
+            default: accept;
+        }
+    }
+    state parse_result {
+        pkt.extract(hdr.result);
         transition accept;
+    }
+    state parse_norm_result {
+        pkt.extract(hdr.norm);
+        transition accept;
+#else
+        transition accept;
+#endif
     }
 }
 
@@ -243,7 +286,14 @@ control ThcValidate(in thc_headers_t hdr, inout thc_metadata_t meta) {
             thc_stats.count(THC_CTR_SHORT);
         } else if (hdr.thc.version != THC_VERSION) {
             thc_stats.count(THC_CTR_BAD_VERSION);
+#ifdef THC_LEAF
+        } else if (meta.from_parent == 1 && hdr.thc.type_ != THC_TYPE_RESULT
+                   && hdr.thc.type_ != THC_TYPE_NORM_RESULT && hdr.thc.type_ != THC_TYPE_STRAGGLER) {
+            thc_stats.count(THC_CTR_BAD_TYPE);
+        } else if (meta.from_parent == 0 && hdr.thc.type_ != THC_TYPE_DATA && hdr.thc.type_ != THC_TYPE_NORM) {
+#else
         } else if (hdr.thc.type_ != THC_TYPE_DATA && hdr.thc.type_ != THC_TYPE_NORM) {
+#endif
             thc_stats.count(THC_CTR_BAD_TYPE);
         } else {
             thc_jobs.apply();
@@ -266,10 +316,26 @@ control ThcValidate(in thc_headers_t hdr, inout thc_metadata_t meta) {
                 thc_stats.count(THC_CTR_BAD_KEY);
             } else if (hdr.thc.table_id != meta.job_table_id) {
                 thc_stats.count(THC_CTR_BAD_TABLE);
+#ifdef THC_LEAF
+            } else if (hdr.thc.worker >= (meta.from_parent == 1 ? meta.leaves : meta.job_workers)) {
+#else
             } else if (hdr.thc.worker >= meta.job_workers) {
+#endif
                 thc_stats.count(THC_CTR_BAD_WORKER);
             } else if (hdr.thc.slot >= meta.job_slots) {
                 thc_stats.count(THC_CTR_BAD_SLOT);
+#ifdef THC_LEAF
+            } else if (hdr.thc.type_ == THC_TYPE_RESULT && !(hdr.result.isValid() && hdr.thc.elems == THC_K16
+                       && hdr.thc.width == THC_RESULT_BITS && ulen == UDP_HEADER_BYTES + THC_HEADER_BYTES
+                       + THC_RESULT_BYTES)) {
+                thc_stats.count(THC_CTR_BAD_FORMAT);
+            } else if (hdr.thc.type_ == THC_TYPE_NORM_RESULT && !(hdr.norm.isValid() && hdr.thc.elems == 1
+                       && hdr.thc.width == 32 && ulen == UDP_HEADER_BYTES + THC_HEADER_BYTES + 4)) {
+                thc_stats.count(THC_CTR_BAD_FORMAT);
+            } else if (hdr.thc.type_ == THC_TYPE_STRAGGLER && !(hdr.thc.elems == 0 && hdr.thc.width == 0
+                       && ulen == UDP_HEADER_BYTES + THC_HEADER_BYTES)) {
+                thc_stats.count(THC_CTR_BAD_FORMAT);
+#endif
             } else if (hdr.thc.type_ == THC_TYPE_DATA && !(hdr.data.isValid() && hdr.thc.elems == THC_K16
                        && hdr.thc.width == THC_INDEX_BITS && ulen == UDP_HEADER_BYTES + THC_HEADER_BYTES
                        + THC_DATA_BYTES)) {
@@ -302,6 +368,11 @@ control ThcStateTable(in thc_headers_t hdr, inout thc_metadata_t meta) {
     register<bit<32>>(THC_BANKS) bank_bitmap;
     register<bit<8>>(THC_BANKS) bank_count;
     register<bit<32>>(THC_BANKS) bank_norm;      // max of the norm bits (NORM rounds)
+#ifdef THC_LEAF
+    register<bit<8>>(THC_BANKS) bank_forwarded;  // FORWARDED: complete here, the partial sent
+    register<bit<8>>(THC_BANKS) bank_upstream;   // UPSTREAM_STALE: the parent's notice came
+    register<bit<16>>(THC_BANKS) bank_upstream_round;  // the round that notice carried
+#endif
 
     apply {
         bit<32> g = meta.job_slot_base + (bit<32>)hdr.thc.slot;
@@ -326,6 +397,15 @@ control ThcStateTable(in thc_headers_t hdr, inout thc_metadata_t meta) {
         bank_bitmap.read(bmap, gb);
         bank_count.read(bcount, gb);
         bank_norm.read(bnorm, gb);
+#ifdef THC_LEAF
+        bit<8> bfwd = 0;
+        bit<8> bup = 0;
+        bit<16> bupround = 0;
+        bool upstream_notice = false;  // a local packet answered with the parent's straggler round
+        bank_forwarded.read(bfwd, gb);
+        bank_upstream.read(bup, gb);
+        bank_upstream_round.read(bupround, gb);
+#endif
         bit<16> diff = hdr.thc.round - cur;
         bool newer = diff != 0 && diff[15:15] == 0;  // RFC 1982 on 16 bits
         meta.update = 0;
@@ -333,6 +413,64 @@ control ThcStateTable(in thc_headers_t hdr, inout thc_metadata_t meta) {
         meta.keep = 0;
         meta.add = 0;
 
+#ifdef THC_LEAF
+        if (meta.from_parent == 1) {
+            // The parent's answer. A RESULT / NORM_RESULT is for the FORWARDED bank of its round and kind;
+            // a STRAGGLER carries the parent's newer round, so it is for the slot's FORWARDED bank whose
+            // round is older than that (bank 0 first).
+            if (hdr.thc.type_ == THC_TYPE_STRAGGLER) {
+                bit<32> b0 = g << 1;
+                bit<32> b1 = b0 | 1;
+                bit<32> gen0 = 0;
+                bit<32> gen1 = 0;
+                bit<16> r0 = 0;
+                bit<16> r1 = 0;
+                bit<8> f0 = 0;
+                bit<8> f1 = 0;
+                bit<8> c0 = 0;
+                bit<8> c1 = 0;
+                bit<8> u0 = 0;
+                bit<8> u1 = 0;
+                bank_gen.read(gen0, b0);
+                bank_gen.read(gen1, b1);
+                bank_round.read(r0, b0);
+                bank_round.read(r1, b1);
+                bank_forwarded.read(f0, b0);
+                bank_forwarded.read(f1, b1);
+                bank_complete.read(c0, b0);
+                bank_complete.read(c1, b1);
+                bank_upstream.read(u0, b0);
+                bank_upstream.read(u1, b1);
+                bit<16> d0 = hdr.thc.round - r0;
+                bit<16> d1 = hdr.thc.round - r1;
+                bool w0 = gen0 == meta.job_gen && f0 == 1 && c0 == 0 && u0 == 0 && d0 != 0 && d0[15:15] == 0;
+                bool w1 = gen1 == meta.job_gen && f1 == 1 && c1 == 0 && u1 == 0 && d1 != 0 && d1[15:15] == 0;
+                if (w0 || w1) {
+                    bit<32> found = w0 ? b0 : b1;
+                    bank_upstream.write(found, 1);
+                    bank_upstream_round.write(found, hdr.thc.round);
+                    thc_stats.count(THC_CTR_STRAGGLER);
+                    meta.emit = EMIT_MULTICAST;
+                } else {
+                    thc_tier_stats.count(THC_TIER_STALE_PARENT);
+                }
+            } else if (bgen == meta.job_gen && bfwd == 1 && bcomplete == 0 && bup == 0 && bround == hdr.thc.round
+                       && ((hdr.thc.type_ == THC_TYPE_RESULT && bkind == THC_TYPE_DATA)
+                           || (hdr.thc.type_ == THC_TYPE_NORM_RESULT && bkind == THC_TYPE_NORM))) {
+                // The bank takes the parent's sums (the ingress writes them), count and bitmap: COMPLETE.
+                bank_complete.write(gb, 1);
+                bank_count.write(gb, hdr.thc.contributors);
+                bank_bitmap.write(gb, hdr.thc.bitmap);
+                if (hdr.thc.type_ == THC_TYPE_NORM_RESULT) {
+                    bank_norm.write(gb, hdr.norm.value);
+                }
+                thc_stats.count(THC_CTR_COMPLETED);
+                meta.emit = EMIT_MULTICAST;
+            } else {
+                thc_tier_stats.count(THC_TIER_STALE_PARENT);
+            }
+        } else
+#endif
         if (sgen != meta.job_gen || newer) {
             // FRESH or NEWER: overwrite bank b with this packet alone.
             slot_gen.write(g, meta.job_gen);
@@ -343,6 +481,10 @@ control ThcStateTable(in thc_headers_t hdr, inout thc_metadata_t meta) {
             bmap = wbit;
             bcount = 1;
             bcomplete = 0;
+#ifdef THC_LEAF
+            bfwd = 0;
+            bup = 0;
+#endif
             if (t == THC_TYPE_NORM) {
                 bnorm = hdr.norm.value;
             }
@@ -359,6 +501,19 @@ control ThcStateTable(in thc_headers_t hdr, inout thc_metadata_t meta) {
                 meta.emit = EMIT_RETAINED;
                 meta.keep = THC_RESULT_ONES;
                 meta.add = 0;
+#ifdef THC_LEAF
+            } else if (bup == 1) {
+                // UPSTREAM_STALE: the sender hears the parent's round.
+                thc_stats.count(THC_CTR_STRAGGLER);
+                meta.emit = EMIT_STRAGGLER;
+                upstream_notice = true;
+            } else if (bfwd == 1) {
+                // FORWARDED: the parent's answer is late or lost; the partial again (the sums read back).
+                thc_tier_stats.count(THC_TIER_FORWARDED_AGAIN);
+                meta.emit = EMIT_PARTIAL;
+                meta.keep = THC_RESULT_ONES;
+                meta.add = 0;
+#endif
             } else if ((bmap & wbit) != 0) {
                 thc_stats.count(THC_CTR_DUPLICATE);
             } else {
@@ -386,9 +541,16 @@ control ThcStateTable(in thc_headers_t hdr, inout thc_metadata_t meta) {
                 thc_stats.count(THC_CTR_ELEMENTS);
             }
             if (bcount >= meta.job_threshold) {
+#ifdef THC_LEAF
+                // complete here: FORWARDED, the partial to the parent
+                bfwd = 1;
+                thc_tier_stats.count(THC_TIER_FORWARDED);
+                meta.emit = EMIT_PARTIAL;
+#else
                 bcomplete = 1;
                 thc_stats.count(THC_CTR_COMPLETED);
                 meta.emit = EMIT_MULTICAST;
+#endif
             }
             bank_gen.write(gb, bgen);
             bank_round.write(gb, bround);
@@ -397,8 +559,17 @@ control ThcStateTable(in thc_headers_t hdr, inout thc_metadata_t meta) {
             bank_bitmap.write(gb, bmap);
             bank_count.write(gb, bcount);
             bank_norm.write(gb, bnorm);
+#ifdef THC_LEAF
+            bank_forwarded.write(gb, bfwd);
+            bank_upstream.write(gb, bup);
+#endif
         }
         meta.slot_round = cur;
+#ifdef THC_LEAF
+        if (upstream_notice) {
+            meta.slot_round = bupround;
+        }
+#endif
         meta.bank_round = bround;
         meta.bank_count = bcount;
         meta.bank_bitmap = bmap;
@@ -439,6 +610,47 @@ control ThcElement(in bit<16> job_index, in bit<(THC_INDEX_BITS)> index, in bit<
 control ThcReply(inout thc_headers_t hdr, inout thc_metadata_t meta,
                  inout standard_metadata_t standard_metadata) {
     apply {
+#ifdef THC_LEAF
+        if (meta.emit == EMIT_PARTIAL || meta.from_parent == 1) {
+            ipv4_addr_t leaf_ip = hdr.ipv4.dstAddr;  // the service address the packet came to
+            if (meta.emit == EMIT_PARTIAL) {
+                // The bank's partial: its sums at the program's width (or its norm), to the parent.
+                hdr.thc.worker = meta.leaf;
+                hdr.thc.contributors = meta.bank_count;
+                hdr.thc.round = meta.bank_round;
+                hdr.thc.bitmap = meta.bank_bitmap;
+                hdr.thc.flags = 0;
+                if (hdr.thc.type_ == THC_TYPE_NORM) {
+                    hdr.thc.type_ = THC_TYPE_PARTIAL_NORM;
+                    hdr.thc.elems = 1;
+                    hdr.thc.width = 32;
+                    hdr.norm.value = meta.bank_norm;
+                    hdr.udp.length = UDP_HEADER_BYTES + THC_HEADER_BYTES + 4;
+                } else {
+                    hdr.thc.type_ = THC_TYPE_PARTIAL;
+                    hdr.thc.elems = THC_K16;
+                    hdr.thc.width = THC_RESULT_BITS;
+                    hdr.data.setInvalid();
+                    hdr.udp.length = UDP_HEADER_BYTES + THC_HEADER_BYTES + THC_RESULT_BYTES;
+                }
+                hdr.ipv4.totalLen = IPV4_HEADER_BYTES + hdr.udp.length;
+                meta.fanout = 0;
+                hdr.ipv4.dstAddr = meta.parent_ip;
+                hdr.udp.dstPort = meta.parent_port;
+                hdr.ethernet.dstAddr = meta.parent_mac;
+                standard_metadata.egress_spec = meta.parent_out;
+            } else {
+                // The parent's answer, unchanged, to every local worker.
+                meta.fanout = 1;
+                standard_metadata.mcast_grp = meta.job_mcast_grp;
+            }
+            hdr.ipv4.ttl = 64;
+            hdr.udp.checksum = 0;
+            hdr.ipv4.srcAddr = leaf_ip;
+            hdr.udp.srcPort = THC_UDP_PORT;
+            hdr.ethernet.srcAddr = meta.switch_mac;
+        } else {
+#endif
         hdr.thc.flags = 0;
         if (meta.emit == EMIT_STRAGGLER) {
             hdr.thc.type_ = THC_TYPE_STRAGGLER;
@@ -487,6 +699,9 @@ control ThcReply(inout thc_headers_t hdr, inout thc_metadata_t meta,
         hdr.ipv4.srcAddr = service_ip;
         hdr.udp.srcPort = THC_UDP_PORT;
         hdr.ethernet.srcAddr = meta.switch_mac;
+#ifdef THC_LEAF
+        }
+#endif
     }
 }
 
@@ -560,6 +775,28 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
         default_action = NoAction();
     }
 
+#ifdef THC_LEAF
+    // The leaf's parent (the spine): where partials go, and whose packets are the parent's. Keyless: the
+    // control plane sets its default action (aggregator.p4rt.ThcSwitch.set_uplink).
+    action uplink(bit<8> leaf, bit<8> leaves, ipv4_addr_t parent_ip, bit<16> parent_port, mac_addr_t parent_mac,
+                  bit<9> parent_out) {
+        meta.uplink_hit = 1;
+        meta.leaf = leaf;
+        meta.leaves = leaves;
+        meta.parent_ip = parent_ip;
+        meta.parent_port = parent_port;
+        meta.parent_mac = parent_mac;
+        meta.parent_out = parent_out;
+    }
+
+    table thc_uplink {
+        key = { }
+        actions = { uplink; NoAction; }
+        size = 1;
+        default_action = NoAction();
+    }
+#endif
+
     // Learn the sender's address (the egress answers known workers only, as the Python server).
     action learn_sender() {
         bit<32> row = (bit<32>)meta.job_index * THC_MAX_WORKERS + (bit<32>)hdr.thc.worker;
@@ -583,14 +820,33 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
             ipv4_lpm.apply();
         } else {
             thc_stats.count(THC_CTR_RX);
+#ifdef THC_LEAF
+            meta.uplink_hit = 0;
+            meta.from_parent = 0;
+            thc_uplink.apply();
+            if (meta.uplink_hit == 1 && hdr.ipv4.srcAddr == meta.parent_ip && hdr.udp.srcPort == meta.parent_port) {
+                meta.from_parent = 1;
+            }
+#endif
             validate.apply(hdr, meta);
             if (meta.valid == 0) {
                 drop();
             } else {
+#ifdef THC_LEAF
+                if (meta.from_parent == 0) {
+                    learn_sender();
+                }
+#else
                 learn_sender();
+#endif
                 state_table.apply(hdr, meta);
                 // Sums: look every index up and add it (or only read the bank for a retained result).
+#ifdef THC_LEAF
+                if (hdr.thc.type_ == THC_TYPE_DATA
+                    && (meta.update == 1 || meta.emit == EMIT_RETAINED || meta.emit == EMIT_PARTIAL)) {
+#else
                 if (hdr.thc.type_ == THC_TYPE_DATA && (meta.update == 1 || meta.emit == EMIT_RETAINED)) {
+#endif
                     hdr.result.setValid();
                     elem_0.apply(meta.job_index, hdr.data.i0, meta.sum_base + 0, meta.keep, meta.add, hdr.result.s0);
                     elem_1.apply(meta.job_index, hdr.data.i1, meta.sum_base + 1, meta.keep, meta.add, hdr.result.s1);
@@ -625,6 +881,46 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                     elem_30.apply(meta.job_index, hdr.data.i30, meta.sum_base + 30, meta.keep, meta.add, hdr.result.s30);
                     elem_31.apply(meta.job_index, hdr.data.i31, meta.sum_base + 31, meta.keep, meta.add, hdr.result.s31);
                 }
+#ifdef THC_LEAF
+                // The parent's RESULT: its sums become the bank's (retained for the workers' retransmissions).
+                if (meta.from_parent == 1 && meta.emit == EMIT_MULTICAST && hdr.thc.type_ == THC_TYPE_RESULT) {
+                    sums.write(meta.sum_base + 0, hdr.result.s0);
+                    sums.write(meta.sum_base + 1, hdr.result.s1);
+                    sums.write(meta.sum_base + 2, hdr.result.s2);
+                    sums.write(meta.sum_base + 3, hdr.result.s3);
+                    sums.write(meta.sum_base + 4, hdr.result.s4);
+                    sums.write(meta.sum_base + 5, hdr.result.s5);
+                    sums.write(meta.sum_base + 6, hdr.result.s6);
+                    sums.write(meta.sum_base + 7, hdr.result.s7);
+                    sums.write(meta.sum_base + 8, hdr.result.s8);
+                    sums.write(meta.sum_base + 9, hdr.result.s9);
+                    sums.write(meta.sum_base + 10, hdr.result.s10);
+                    sums.write(meta.sum_base + 11, hdr.result.s11);
+                    sums.write(meta.sum_base + 12, hdr.result.s12);
+                    sums.write(meta.sum_base + 13, hdr.result.s13);
+                    sums.write(meta.sum_base + 14, hdr.result.s14);
+                    sums.write(meta.sum_base + 15, hdr.result.s15);
+                    sums.write(meta.sum_base + 16, hdr.result.s16);
+                    sums.write(meta.sum_base + 17, hdr.result.s17);
+                    sums.write(meta.sum_base + 18, hdr.result.s18);
+                    sums.write(meta.sum_base + 19, hdr.result.s19);
+                    sums.write(meta.sum_base + 20, hdr.result.s20);
+                    sums.write(meta.sum_base + 21, hdr.result.s21);
+                    sums.write(meta.sum_base + 22, hdr.result.s22);
+                    sums.write(meta.sum_base + 23, hdr.result.s23);
+                    sums.write(meta.sum_base + 24, hdr.result.s24);
+                    sums.write(meta.sum_base + 25, hdr.result.s25);
+                    sums.write(meta.sum_base + 26, hdr.result.s26);
+                    sums.write(meta.sum_base + 27, hdr.result.s27);
+                    sums.write(meta.sum_base + 28, hdr.result.s28);
+                    sums.write(meta.sum_base + 29, hdr.result.s29);
+                    sums.write(meta.sum_base + 30, hdr.result.s30);
+                    sums.write(meta.sum_base + 31, hdr.result.s31);
+                }
+                if (meta.emit == EMIT_PARTIAL && meta.uplink_hit == 0) {
+                    meta.emit = EMIT_NONE;  // no parent configured: the partial has nowhere to go
+                }
+#endif
                 if (meta.emit == EMIT_NONE) {
                     drop();
                 } else {
