@@ -11,7 +11,7 @@ from aggregator.control import ControlAddress, ControlConfig, read_token
 from aggregator.server import AggregatorServer, ServerConfig
 from aggregator.tier_server import TierServer, TierServerConfig
 from worker_lib.cli.args import float_in, host_port, int_in, log_level, port_number
-from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfigError, load_jobs, parse_job_spec
+from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, load_jobs, parse_job_spec
 from worker_lib.wire.layout import THC_UDP_PORT
 
 
@@ -93,6 +93,13 @@ _FLAT_ONLY = (("shards", 1), ("member", (0, 1)), ("multicast", False), ("engine"
               ("gro", False), ("metrics_port", None), ("control", None), ("control_token_file", None), ("pcap", None))
 
 
+def _refused(exc: Exception) -> int:
+    """One line on stderr; exit status 2 for a configuration out of range, 1 for an address or file it
+    cannot use."""
+    print(f"thc-aggregator: {exc}", file=sys.stderr)
+    return 1 if isinstance(exc, OSError) else 2
+
+
 def serve_tier(args: argparse.Namespace) -> int:
     """``--role leaf|spine``: serve a tier of two-tier jobs until a signal."""
     given = [f"--{name.replace('_', '-')}" for name, default in _FLAT_ONLY if getattr(args, name) != default]
@@ -106,12 +113,8 @@ def serve_tier(args: argparse.Namespace) -> int:
                                              stats_interval=args.stats_interval, parent_loss=args.parent_loss,
                                              seed=args.seed),
                             out=lambda s: print(s, flush=True))
-    except (JobConfigError, ValueError) as exc:
-        print(f"thc-aggregator: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"thc-aggregator: {exc}", file=sys.stderr)
-        return 1
+    except (ValueError, OSError) as exc:  # JobConfigError is a ValueError
+        return _refused(exc)
     server.install_signal_handlers()
     ids = ", ".join(f"{j.job} ({j.kind}, leaves={':'.join(map(str, j.leaves))}, threshold={j.threshold}, "
                     f"K={j.elems}, S={j.slots})" for j in server.jobs)
@@ -145,12 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                            metrics_host=args.metrics_host, config_path=args.config, jobs=jobs, pcap=args.pcap,
                            control=control, engine=args.engine)
         server = AggregatorServer(cfg, out=lambda s: print(s, flush=True))
-    except (JobConfigError, ValueError) as exc:
-        print(f"thc-aggregator: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"thc-aggregator: {exc}", file=sys.stderr)
-        return 1
+    except (ValueError, OSError) as exc:  # JobConfigError is a ValueError
+        return _refused(exc)
     server.install_signal_handlers()
     ids = ", ".join(f"{j.job} ({j.kind}{'/' + j.codec if j.codec else ''}, n={j.workers}, "
                     f"threshold={j.threshold}, K={j.elems}, S={j.slots})"

@@ -24,12 +24,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from aggregator.p4rt import SwitchError, ThcSwitch
 from topologies.bmv2 import Bmv2Config, Bmv2Switch, CompiledProgram, ToolMissing, compile_program, find_tool
 from topologies.nsstar import SERVICE_IP, SWITCH_MAC, NsStar, host_ip, host_mac
-from topologies.worker import worker_indices, worker_norm
+from topologies.worker import check_results as check_sums
+from topologies.worker import collect
 from worker_lib.cli.args import log_level
 from worker_lib.job import JobConfig, JobConfigError
 from worker_lib.wire.layout import THC_UDP_PORT
@@ -84,16 +83,9 @@ def worker_command(run: StarRun, w: int, out: Path) -> list[str]:
 
 def check_results(run: StarRun, results: list[dict]) -> dict:
     """Compare every worker's sums with the table sums of all workers' indices; a summary dict."""
-    cfg = run.job()
-    values = cfg.values()
-    want = sum(values[worker_indices(run.seed, w, run.chunks, cfg.elems, cfg.bits)].astype(np.int64)
-               for w in range(run.workers))
-    ok = all(np.array_equal(np.asarray(r["sums"]), want) and not any(r["lost"]) for r in results)
-    norm_ok = all(r["norm"] == max(worker_norm(run.seed, w) for w in range(run.workers)) for r in results)
-    secs = max(r["seconds_data"] for r in results)
-    return {"workers": run.workers, "chunks": run.chunks, "K": cfg.elems, "sums_exact": ok, "norm_exact": norm_ok,
-            "retransmissions": sum(r["stats"]["retransmissions"] for r in results),
-            "seconds": secs, "elements_per_s": run.chunks * cfg.elems / secs if secs else 0.0}
+    out = check_sums(run.job(), run.seed, run.chunks, results)
+    out["elements_per_s"] = run.chunks * run.elems / out["seconds"] if out["seconds"] else 0.0
+    return out
 
 
 def run_netns(run: StarRun) -> dict:
@@ -113,17 +105,7 @@ def run_netns(run: StarRun) -> dict:
 
 
 def _collect(procs: list[subprocess.Popen], run: StarRun, timeout: float = 300.0) -> list[dict]:
-    try:
-        for w, p in enumerate(procs):
-            _, err = p.communicate(timeout=timeout)
-            if p.returncode != 0:
-                raise RuntimeError(f"worker {w} failed: {err.strip()}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    return [json.loads((run.workdir / f"w{w}.json").read_text()) for w in range(len(procs))]
+    return collect(procs, [run.workdir / f"w{w}.json" for w in range(len(procs))], timeout)
 
 
 def run_mininet(run: StarRun) -> dict:  # pragma: no cover - needs Mininet and root

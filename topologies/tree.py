@@ -27,11 +27,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from aggregator.p4rt import SwitchError, ThcSwitch, Uplink
 from topologies.bmv2 import CompiledProgram, ToolMissing, compile_program, find_tool
-from topologies.worker import worker_indices, worker_norm
+from topologies.worker import check_results, collect
 from worker_lib.cli.args import log_level
 from worker_lib.job import JobConfig, JobConfigError
 from worker_lib.wire.layout import THC_UDP_PORT
@@ -152,21 +150,6 @@ def start_spine(host, run: TreeRun) -> subprocess.Popen:  # pragma: no cover - M
     return proc
 
 
-def check_results(run: TreeRun, results: list[dict]) -> dict:
-    """Every worker's sums against the table sums of all workers' indices; a summary dict."""
-    cfg = run.job()
-    values = cfg.values()
-    want = sum(values[worker_indices(run.seed, w, run.chunks, cfg.elems, cfg.bits)].astype(np.int64)
-               for w in range(cfg.workers))
-    ok = all(np.array_equal(np.asarray(r["sums"]), want) and not any(r["lost"])
-             and set(r["contributors"]) == {cfg.workers} for r in results)
-    norm_ok = all(r["norm"] == max(worker_norm(run.seed, w) for w in range(cfg.workers)) for r in results)
-    return {"workers": cfg.workers, "leaves": LEAVES, "chunks": run.chunks, "K": cfg.elems,
-            "spine_loss": run.spine_loss, "sums_exact": ok, "norm_exact": norm_ok,
-            "retransmissions": sum(r["stats"]["retransmissions"] for r in results),
-            "seconds": max(r["seconds_data"] for r in results)}
-
-
 def run_tree(run: TreeRun) -> dict:  # pragma: no cover - needs Mininet and root
     """Build the tree, configure both leaves, start the spine, run the eight workers, check, tear down."""
     prog = compile_program(run.workdir / "program", elems=run.elems, bits=run.bits,
@@ -204,12 +187,9 @@ def run_tree(run: TreeRun) -> dict:  # pragma: no cover - needs Mininet and root
                                       worker_ip(w), "--chunks", str(run.chunks), "--seed", str(run.seed),
                                       "--out", str(run.workdir / f"w{w}.json")],
                                      cwd=str(ROOT), stderr=subprocess.PIPE, text=True))
-            for w, p in enumerate(procs):
-                _, err = p.communicate(timeout=300)
-                if p.returncode != 0:
-                    raise RuntimeError(f"worker {w} failed: {err.strip()}")
-            results = [json.loads((run.workdir / f"w{w}.json").read_text()) for w in range(len(procs))]
-            summary = check_results(run, results)
+            results = collect(procs, [run.workdir / f"w{w}.json" for w in range(len(procs))])
+            summary = {"leaves": LEAVES, "spine_loss": run.spine_loss,
+                       **check_results(run.job(), run.seed, run.chunks, results)}
             summary["leaf_counters"] = [ctl.stats() for ctl in ctls]
             summary["leaf_tier_counters"] = [ctl.tier_stats() for ctl in ctls]
         finally:

@@ -40,6 +40,37 @@ def worker_norm(seed: int, worker: int) -> float:
     return float(np.float32(1.0 + ((seed * 31 + worker * 7) % 64) / 8.0))
 
 
+def check_results(cfg: JobConfig, seed: int, chunks: int, results: list[dict]) -> dict:
+    """Whether every worker's JSON holds the sums of the table values of all the job's workers' indices (no
+    chunk lost, every worker counted) and the largest norm; with the retransmissions and the slowest
+    data stage. Shared by the topologies' checks."""
+    values = cfg.values()
+    want = sum(values[worker_indices(seed, w, chunks, cfg.elems, cfg.bits)].astype(np.int64)
+               for w in range(cfg.workers))
+    ok = all(np.array_equal(np.asarray(r["sums"]), want) and not any(r["lost"])
+             and set(r["contributors"]) == {cfg.threshold} for r in results)
+    norm_ok = all(r["norm"] == max(worker_norm(seed, w) for w in range(cfg.workers)) for r in results)
+    return {"workers": cfg.workers, "chunks": chunks, "K": cfg.elems, "sums_exact": ok, "norm_exact": norm_ok,
+            "retransmissions": sum(r["stats"]["retransmissions"] for r in results),
+            "seconds": max(r["seconds_data"] for r in results)}
+
+
+def collect(procs: list, outputs: list[Path], timeout: float = 300.0) -> list[dict]:
+    """Wait for the worker processes (killing what is left on the way out) and read their JSON outputs;
+    RuntimeError naming the first that failed."""
+    try:
+        for w, p in enumerate(procs):
+            _, err = p.communicate(timeout=timeout)
+            if p.returncode != 0:
+                raise RuntimeError(f"worker {w} failed: {(err or '').strip()}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    return [json.loads(path.read_text()) for path in outputs]
+
+
 def run_worker(cfg: JobConfig, worker: int, aggregator: tuple[str, int], bind: str, chunks: int, seed: int,
                timeout: float = 0.2, deadline: float = 20.0,
                more_aggregators: tuple[tuple[str, int], ...] = ()) -> dict:
