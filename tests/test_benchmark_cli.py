@@ -77,6 +77,9 @@ CASES = [
     ("time_to_accuracy", ["--mtu", "100"], "--mtu: must be in 576..9000, got 100"),
     # benchmarks.engine
     ("engine", ["--batches", "0"], "--batches: must be in 1..1000000, got 0"),
+    # benchmarks.tiers
+    ("tiers", ["--batches", "0"], "--batches: must be in 1..100000, got 0"),
+    ("tiers", ["--elems", "12"], "--elems must be a multiple of 8"),
     # benchmarks.soak
     ("soak", ["--minutes", "0"], "--minutes: must be in 0.01..1440, got 0"),
     ("soak", ["--dim", "0"], "--dim: must be in 1..16777216, got 0"),
@@ -140,3 +143,13 @@ def test_ddp_netem_loss_report_says_where_the_extra_goes(capsys: pytest.CaptureF
     # lossless 155.0 ms, lossy 172.0 (+17.0); resent: 100 datagrams of 1500 B per step at 1 Gbit/s = 1.2 ms;
     # noise 10.0 (max - min of 2); tail 17.0 - 11.0 = 6.0 ms; slots 5.0 - 0 = 5.0 ms
     assert last == ["1000", "1", "thc", "155.0", "172.0", "17.0", "1.2", "10.0", "NO", "6.0", "5.0"]
+
+
+def test_tier_benchmark_times_every_role_on_the_same_rounds() -> None:
+    """benchmarks.tiers runs the reference leaf, the reference spine and the engine over the same rounds
+    (it stops if any round of any of them does not complete) and prints each rate and the ratios."""
+    from benchmarks.tiers import rates
+
+    r = rates(64, 2)
+    assert set(r) == {"elems", "leaf_pps", "spine_pps", "engine_pps"} and r["elems"] == 64
+    assert all(r[k] > 0 for k in ("leaf_pps", "spine_pps", "engine_pps"))
