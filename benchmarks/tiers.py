@@ -41,7 +41,7 @@ def rates(elems: int, batches: int) -> dict[str, float]:
                        mtu=9000)  # jumbo frames: K up to 8192 at 8-bit sums
     flat = tiered.leaf(0)
     buf, lens = batch(flat, 0)
-    leaf, spine, engine = LeafAggregator(0, [tiered]), SpineAggregator([tiered]), Aggregator([flat])
+    leaf, spine, engine = LeafAggregator(0, [tiered]), SpineAggregator([tiered]), Aggregator([flat], compiled=True)
     leaf_s = spine_s = engine_s = 0.0
     for r in range(batches + 1):
         packets = _packets(buf, lens, r)
