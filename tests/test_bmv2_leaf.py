@@ -228,3 +228,26 @@ def test_the_one_tier_program_refuses_to_serve_a_leaf(leaf_rig: Rig, tmp_path) -
     leaf_rig.ctl.load(flat.p4info, flat.json)
     with pytest.raises(JobRefused, match="not the leaf program"):
         leaf_rig.ctl.configure_leaf(CFG, (0, 1, 2), uplink(leaf_rig))
+
+
+def test_thc_switch_configures_a_leaf_from_the_command_line(leaf_rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
+    """``thc-switch job --leaf 0 --upstream ...`` installs the leaf's job and uplink: the third worker's DATA
+    then goes up to the parent as the reference's PARTIAL. (Last in this module: the command line's
+    controller takes the primary role from the rig's.)"""
+    from aggregator.switch.cli import main as thc_switch
+
+    leaf_rig.ctl.load(leaf_rig.program.p4info, leaf_rig.program.json)
+    leaf_rig.ctl.add_service(SERVICE_IP, SWITCH_MAC)
+    h = leaf_rig.star.hosts[PARENT]
+    base = ["--switch", leaf_rig.switch.address.target, "--election-id", "2", "job", "--job", CFG.spec(),
+            "--ports", "0,1,2", "--leaf", "0"]
+    assert thc_switch(base) == 1
+    assert "give --upstream, --upstream-mac, --upstream-port" in capsys.readouterr().err
+    assert thc_switch([*base, "--upstream", f"{h.ip}:{SPINE_PORT}", "--upstream-mac", h.mac,
+                       "--upstream-port", str(PARENT)]) == 0
+    assert '"leaf": 0' in capsys.readouterr().out
+    ls = Lockstep(leaf_rig)
+    ls.worker(0, data(0, 0, 0))
+    ls.worker(1, data(1, 0, 0))
+    [(dest, _)] = ls.worker(2, data(2, 0, 0))
+    assert dest == Dest.PARENT

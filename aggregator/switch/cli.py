@@ -6,6 +6,8 @@ through bfrt_python scripts.
     thc-switch --switch 127.0.0.1:9559 job --job 'job=1,key=0x54484321,workers=4,elems=32,result_bits=8' \\
         --ports 1,2,3,4
     thc-switch --switch 127.0.0.1:9559 stats
+    thc-switch --switch 127.0.0.1:9559 job --job 'job=1,leaves=4:4,elems=32' --ports 1,2,3,4 \
+        --leaf 0 --upstream 10.0.1.200:9460 --upstream-mac 02:00:00:00:02:01 --upstream-port 5
 
 Tofino (p4src/tofino/thc.p4; docs/tofino.md): ``load --target tofino`` writes a bfrt_python script that
 configures ports, resets the registers and installs services, routes and jobs (lookup entries, PRE nodes
@@ -39,10 +41,11 @@ from aggregator.bfrt import (
 )
 from aggregator.control import ControlAddress, ControlConfigError, read_token
 from aggregator.placement import Fallback, JobPlacer
+from aggregator.switch.entries import Uplink
 from aggregator.switch.errors import SwitchError
 from p4gen.tofino import TofinoGeometry
 from worker_lib.cli.args import log_level
-from worker_lib.job import JobConfigError, load_jobs, parse_job_spec
+from worker_lib.job import JobConfig, JobConfigError, load_jobs, parse_job_spec
 
 TARGETS = ("bmv2", "tofino", "tofino2")
 log = logging.getLogger(__name__)
@@ -98,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "HOST:PORT) instead, and print where the workers must send")
     jb.add_argument("--fallback", metavar="HOST:PORT", help="that thc-aggregator's data address (for the workers)")
     jb.add_argument("--fallback-token-file", type=Path, help="its --control-token-file, if it has one")
+    jb.add_argument("--leaf", type=int, metavar="L",
+                    help="a two-tier job (leaves=...): this switch, running the leaf program (-DTHC_LEAF), is leaf L; "
+                         "--ports are its local workers' ports, in local order")
+    jb.add_argument("--upstream", metavar="IP:PORT", help="with --leaf: the spine's address and UDP port")
+    jb.add_argument("--upstream-mac", metavar="MAC", help="with --leaf: the next hop's MAC towards the spine")
+    jb.add_argument("--upstream-port", type=int, metavar="PORT", help="with --leaf: the switch port towards the spine")
     jb.add_argument("--service-address", metavar="HOST:PORT", default="switch",
                     help="the switch's aggregator address as the workers reach it (printed for jobs it takes)")
 
@@ -227,6 +236,12 @@ def run(args: argparse.Namespace) -> int:
                     raise SwitchError(f"{args.config}: {len(pick)} jobs match; pick one with --job-id")
                 cfg = pick[0]
             ports = tuple(int(x) for x in args.ports.split(","))
+            if cfg.tiered or args.leaf is not None:
+                place = sw.configure_leaf(cfg, ports, _uplink(cfg, args))
+                print(json.dumps({"job": cfg.job, "leaf": args.leaf, "job_index": place.job_index,
+                                  "slot_base": place.slot_base, "mcast_grp": place.mcast_grp,
+                                  "generation": place.generation}))
+                return 0
             if args.fallback_control:
                 print(json.dumps(_placer(sw, args).place(cfg, ports).to_dict()))
                 return 0
@@ -240,8 +255,23 @@ def run(args: argparse.Namespace) -> int:
                                "job_index": j.placement.job_index, "slot_base": j.placement.slot_base,
                                "generation": j.placement.generation} for j in sw.jobs()]))
         elif args.command == "stats":
-            print(json.dumps(sw.stats()))
+            print(json.dumps({**sw.stats(), **(sw.tier_stats() if sw.is_leaf else {})}))
     return 0
+
+
+def _uplink(cfg: JobConfig, args: argparse.Namespace) -> Uplink:
+    """The leaf's uplink from ``job --leaf L --upstream IP:PORT --upstream-mac MAC --upstream-port PORT``."""
+    if not cfg.tiered:
+        raise SwitchError(f"--leaf is for a two-tier job (leaves=N0:N1:...); job {cfg.job} has one tier")
+    missing = [f"--{n.replace('_', '-')}" for n in ("leaf", "upstream", "upstream_mac", "upstream_port")
+               if getattr(args, n) is None]
+    if missing:
+        raise SwitchError(f"job {cfg.job} has two tiers: this switch is one of its leaves; give {', '.join(missing)}")
+    if args.fallback_control:
+        raise SwitchError("--fallback-control places one-tier jobs; a leaf's job has no software fallback here")
+    ip, port = _pair(args.upstream.replace(":", ","), 2, "--upstream")
+    return Uplink(leaf=args.leaf, leaves=len(cfg.leaves), ip=ip, port=int(port), mac=args.upstream_mac,
+                  out_port=args.upstream_port)
 
 
 def _placer(sw: object, args: argparse.Namespace) -> JobPlacer:
