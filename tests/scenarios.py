@@ -6,6 +6,8 @@ the counters expected at the end. Expected sums are written by hand from the sce
 table, never computed by the code under test. tests/test_state_scenarios.py runs them against both
 Python implementations (the reference aggregator/state.py and the batch engine aggregator/engine.py);
 tests/test_bmv2_dataplane.py runs the same table against the BMv2 program on simple_switch_grpc.
+TIER_SCENARIOS (below) do the same for a leaf of a two-tier job: tests/test_tiers.py runs them on the
+reference leaf, tests/test_bmv2_leaf.py on the BMv2 leaf program.
 
 Packet fields not given default to: version 1, job 1, key KEY, table_id of the job, tensor 0,
 chunk 0, elems K, width b (THC DATA) or 32 (norms, uncompressed). A packet gives its payload as
@@ -297,3 +299,155 @@ SCENARIOS: list[dict] = [
         "counters": {"COMPLETED": 1, "ELEMENTS": 16},
     },
 ]
+
+
+# ---- two tiers: a leaf (docs/protocol.md, "Two tiers") --------------------------------------------------
+# Leaf 0 of a job with leaves 2 and 3 (5 workers; g * 5 = 50: 8-bit sums at both tiers). Its local workers
+# are 0 and 1; "from": "parent" marks a packet from the parent's address (the spine), whose answers are
+# written here by hand: PARTIAL sums are the leaf's own (A_B), the spine's RESULT sums are made up (the
+# leaf stores and passes them on, it never checks them). "to": "parent" is a packet to the parent.
+TIER_JOB = {"job": 5, "key": KEY, "leaves": [2, 3], "bits": 2, "granularity": 10, "table": TABLE, "slots": 4,
+            "elems": K, "result_bits": 8}
+SPINE_SUMS = [30, 31, 32, 33, 34, 35, 36, 37]
+
+
+def parent_result(slot: int, rnd: int, sums: list[int], **fields: int) -> dict:
+    """The spine's RESULT for both leaves (contributors: 2 leaves, bitmap 0b11), as sent by the parent."""
+    return {"from": "parent", "type": "RESULT", "slot": slot, "round": rnd, "sums": sums, "contributors": 2,
+            "bitmap": 0b11, "worker": 1, **fields}
+
+
+def partial(slot: int, rnd: int, sums: list[int], **fields: int) -> dict:
+    """Leaf 0's PARTIAL: its index, its 2 workers, their bitmap, the sums at 8 bits, to the parent."""
+    return {"to": "parent", "type": "PARTIAL", "slot": slot, "round": rnd, "worker": 0, "contributors": 2,
+            "bitmap": 0b11, "width": 8, "sums": sums, **fields}
+
+
+TIER_SCENARIOS: list[dict] = [
+    {
+        "name": "leaf_forwards_then_passes_the_spine_result_down",
+        "doc": "The second local worker completes the round here: the PARTIAL goes up. The spine's RESULT "
+               "goes down to both workers unchanged; a retransmission gets it back, retained; the same "
+               "RESULT again finds nothing forwarded.",
+        "job": TIER_JOB,
+        "steps": [
+            {"send": data(0, 0, 0, A), "expect": []},
+            {"send": data(1, 0, 0, B), "expect": [partial(0, 0, A_B)]},
+            {"send": parent_result(0, 0, SPINE_SUMS),
+             "expect": [result(0, 0, SPINE_SUMS, 0b11, worker=1)]},
+            {"send": data(0, 0, 0, A), "expect": [result(0, 0, SPINE_SUMS, 0b11, to="sender", worker=0)]},
+            {"send": parent_result(0, 0, SPINE_SUMS), "expect": []},
+        ],
+        "counters": {"ACCEPTED": 2, "NEW_ROUND": 1, "COMPLETED": 1, "RETAINED": 1, "ELEMENTS": 16},
+        "tier_counters": {"FORWARDED": 1, "STALE_PARENT": 1},
+    },
+    {
+        "name": "leaf_sends_the_partial_again_while_the_spine_is_silent",
+        "doc": "Retransmissions of either worker before the spine answers send the PARTIAL again (a lost "
+               "PARTIAL or spine RESULT is recovered this way); nothing is added twice.",
+        "job": TIER_JOB,
+        "steps": [
+            {"send": data(0, 1, 0, C), "expect": []},
+            {"send": data(1, 1, 0, D), "expect": [partial(1, 0, C_D, tensor=0)]},
+            {"send": data(1, 1, 0, D), "expect": [partial(1, 0, C_D)]},
+            {"send": data(0, 1, 0, C), "expect": [partial(1, 0, C_D)]},
+        ],
+        "counters": {"ACCEPTED": 2, "NEW_ROUND": 1, "COMPLETED": 0, "DUPLICATE": 0, "ELEMENTS": 16},
+        "tier_counters": {"FORWARDED": 1, "FORWARDED_AGAIN": 2},
+    },
+    {
+        "name": "leaf_norm_round",
+        "doc": "NORMs: the leaf's maximum goes up as PARTIAL_NORM; the spine's NORM_RESULT comes down.",
+        "job": TIER_JOB,
+        "steps": [
+            {"send": {"type": "NORM", "worker": 0, "slot": 2, "round": 0, "norm": 1.5}, "expect": []},
+            {"send": {"type": "NORM", "worker": 1, "slot": 2, "round": 0, "norm": 3.0},
+             "expect": [{"to": "parent", "type": "PARTIAL_NORM", "slot": 2, "round": 0, "worker": 0,
+                         "contributors": 2, "bitmap": 0b11, "elems": 1, "width": 32, "norm": 3.0}]},
+            {"send": {"from": "parent", "type": "NORM_RESULT", "slot": 2, "round": 0, "norm": 4.0,
+                      "contributors": 2, "bitmap": 0b11, "worker": 1},
+             "expect": [{"to": "all", "type": "NORM_RESULT", "slot": 2, "round": 0, "norm": 4.0,
+                         "contributors": 2, "bitmap": 0b11}]},
+        ],
+        "counters": {"ACCEPTED": 2, "NEW_ROUND": 1, "COMPLETED": 1},
+        "tier_counters": {"FORWARDED": 1},
+    },
+    {
+        "name": "leaf_passes_a_spine_straggler_notice_down",
+        "doc": "The spine says round 0 of slot 3 is gone (its round is 3): both workers hear it, and a "
+               "worker's later packet for that round gets the spine's round back.",
+        "job": TIER_JOB,
+        "steps": [
+            {"send": data(0, 3, 0, A), "expect": []},
+            {"send": data(1, 3, 0, B), "expect": [partial(3, 0, A_B)]},
+            {"send": {"from": "parent", "type": "STRAGGLER", "slot": 3, "round": 3, "worker": 1},
+             "expect": [{"to": "all", "type": "STRAGGLER", "slot": 3, "round": 3, "contributors": 0,
+                         "bitmap": 0}]},
+            {"send": data(1, 3, 0, B),
+             "expect": [{"to": "sender", "type": "STRAGGLER", "slot": 3, "round": 3, "worker": 1}]},
+        ],
+        "counters": {"ACCEPTED": 2, "NEW_ROUND": 1, "STRAGGLER": 2},
+        "tier_counters": {"FORWARDED": 1},
+    },
+    {
+        "name": "leaf_checks_what_comes_from_the_parent",
+        "doc": "A RESULT from a worker's address and DATA from the parent are bad_type; a RESULT naming a "
+               "third leaf is bad_worker; a truncated one bad_format; one for a round never forwarded is "
+               "ignored (stale_parent).",
+        "job": TIER_JOB,
+        "steps": [
+            {"send": {**parent_result(0, 0, SPINE_SUMS), "from": "worker"}, "expect": []},
+            {"send": {**data(0, 0, 0, A), "from": "parent"}, "expect": []},
+            {"send": parent_result(0, 0, SPINE_SUMS, worker=2), "expect": []},
+            {"send": {**parent_result(0, 0, SPINE_SUMS), "truncate": 1}, "expect": []},
+            {"send": parent_result(1, 0, SPINE_SUMS), "expect": []},
+        ],
+        "counters": {"BAD_TYPE": 2, "BAD_WORKER": 1, "BAD_FORMAT": 1, "ACCEPTED": 0},
+        "tier_counters": {"STALE_PARENT": 1},
+    },
+]
+
+
+def tier_packet(send: dict, cfg) -> bytes:  # cfg: worker_lib.job.JobConfig (a two-tier job)
+    """The THC bytes of a two-tier scenario packet: the rules above for DATA and NORM, and a parent's
+    RESULT ("sums" at the job's result width), NORM_RESULT ("norm") or STRAGGLER (no payload)."""
+    import numpy as np
+
+    from worker_lib.wire import Header, PacketType, float_bits, pack_bits
+
+    fields = {k: v for k, v in send.items() if k not in ("from", "indices", "sums", "norm", "truncate")}
+    typ = PacketType[fields.pop("type")]
+    fields = {"job": cfg.job, "key": cfg.key, "table_id": cfg.table_id, **fields, "type": typ}
+    if "norm" in send:
+        payload = float_bits(send["norm"]).to_bytes(4, "big")
+        fields.update(elems=fields.get("elems", 1), width=fields.get("width", 32))
+    elif "sums" in send:
+        payload = np.asarray(send["sums"], {8: ">u1", 16: ">u2"}[cfg.result_bits]).tobytes()
+        fields.update(elems=fields.get("elems", len(send["sums"])), width=fields.get("width", cfg.result_bits))
+    elif "indices" in send:
+        payload = pack_bits(np.asarray(send["indices"]), cfg.bits).tobytes()
+        fields.update(elems=fields.get("elems", len(send["indices"])), width=fields.get("width", cfg.bits))
+    else:
+        payload = b""
+    pkt = Header(**fields).pack(payload)
+    return pkt[: len(pkt) - send.get("truncate", 0)]
+
+
+def check_tier_answer(data: bytes, want: dict, where: str) -> None:
+    """An answer's THC header fields and payload ("sums" at the packet's width, or "norm") are the
+    scenario's."""
+    import numpy as np
+
+    from worker_lib.wire import Header, PacketType, bits_float
+
+    hdr, payload = Header.parse(data)
+    assert hdr.type == PacketType[want["type"]], f"{where}: type {hdr.type}"
+    for name, value in want.items():
+        if name not in ("to", "type", "sums", "norm"):
+            assert getattr(hdr, name) == value, f"{where}: {name} = {getattr(hdr, name)}, expected {value}"
+    if "sums" in want:
+        assert np.frombuffer(payload, {8: ">u1", 16: ">u2"}[hdr.width]).tolist() == want["sums"], f"{where}: sums"
+    if "norm" in want:
+        assert bits_float(int.from_bytes(payload, "big")) == want["norm"], f"{where}: norm"
+    if want["type"] == "STRAGGLER":
+        assert payload == b"", f"{where}: a notice has no payload"

@@ -24,11 +24,11 @@ from scapy.packet import Raw
 from aggregator.p4rt import JobRefused, Uplink
 from aggregator.tiers import Dest, LeafAggregator, SpineAggregator
 from tests.p4_support import need_tools
-from tests.scenarios import JOB
+from tests.scenarios import JOB, TIER_SCENARIOS, check_tier_answer, tier_packet
 from tests.test_bmv2_dataplane import Rig, frame_from, ipv4_checksum_ok, running_rig, unwrap
 from topologies.bmv2 import CompiledProgram, compile_program
 from topologies.nsstar import SERVICE_IP, SWITCH_MAC
-from worker_lib.job import JobConfig
+from worker_lib.job import JobConfig, job_from_mapping
 from worker_lib.wire import Header, PacketType, float_bits, pack_bits
 from worker_lib.wire.layout import THC_UDP_PORT
 from worker_lib.wire.protocol import Counter, TierCounter
@@ -55,16 +55,25 @@ def leaf_rig(leaf_program: CompiledProgram, tmp_path_factory):
 
 
 def uplink(rig: Rig) -> Uplink:
+    """Leaf 0 of two, its parent at host PARENT."""
     h = rig.star.hosts[PARENT]
     return Uplink(leaf=0, leaves=2, ip=h.ip, port=SPINE_PORT, mac=h.mac, out_port=PARENT)
 
 
-def reload(rig: Rig) -> None:
+def parent_frame(rig: Rig, payload: bytes) -> bytes:
+    """Ethernet/IPv4/UDP from the parent (host PARENT, port SPINE_PORT) to the leaf's service address."""
+    h = rig.star.hosts[PARENT]
+    return bytes(Ether(src=h.mac, dst=SWITCH_MAC) / IP(src=h.ip, dst=SERVICE_IP)
+                 / UDP(sport=SPINE_PORT, dport=THC_UDP_PORT) / Raw(payload))
+
+
+def reload(rig: Rig, cfg: JobConfig = CFG) -> None:
+    """Fresh leaf program, service address, routes, and ``cfg``'s leaf 0 with its workers on ports 0.."""
     rig.ctl.load(rig.program.p4info, rig.program.json)
     rig.ctl.add_service(SERVICE_IP, SWITCH_MAC)
     for prefix, mac, port in rig.star.routes():
         rig.ctl.add_route(prefix, mac, port)
-    rig.ctl.configure_leaf(CFG, (0, 1, 2), uplink(rig))
+    rig.ctl.configure_leaf(cfg, tuple(range(cfg.leaves[0])), uplink(rig))
 
 
 def data(worker: int, slot: int, rnd: int, idx: np.ndarray | None = None) -> bytes:
@@ -103,11 +112,8 @@ class Lockstep:
         return outs
 
     def parent(self, payload: bytes) -> list[tuple[Dest, bytes]]:
-        h = self.rig.star.hosts[PARENT]
-        frame = bytes(Ether(src=h.mac, dst=SWITCH_MAC) / IP(src=h.ip, dst=SERVICE_IP)
-                      / UDP(sport=SPINE_PORT, dport=THC_UDP_PORT) / Raw(payload))
         outs = self.ref.handle(payload, from_parent=True)
-        self._check(frame, PARENT, outs, sender=None)
+        self._check(parent_frame(self.rig, payload), PARENT, outs, sender=None)
         return outs
 
     def _check(self, frame: bytes, port: int, outs: list[tuple[Dest, bytes]], sender: int | None) -> None:
@@ -125,17 +131,23 @@ class Lockstep:
         assert sorted(got) == sorted(want), f"BMv2 sent {sorted(got)}, the reference {sorted(want)}"
 
     def _unwrap(self, port: int, frame: bytes) -> bytes:
-        hosts = self.rig.star.hosts
-        if port != PARENT:
-            return unwrap(port, frame, hosts[port])
-        eth = dpkt.ethernet.Ethernet(frame)
-        ip, udp = eth.data, eth.data.data
-        assert eth.dst == bytes.fromhex(hosts[PARENT].mac.replace(":", ""))
-        assert eth.src == bytes.fromhex(SWITCH_MAC.replace(":", ""))
-        assert dpkt.utils.inet_to_str(ip.src) == SERVICE_IP and dpkt.utils.inet_to_str(ip.dst) == hosts[PARENT].ip
-        assert (udp.sport, udp.dport) == (THC_UDP_PORT, SPINE_PORT)
-        assert ipv4_checksum_ok(bytes(frame[14:34])) and ip.len == 20 + udp.ulen
-        return bytes(udp.data)
+        return unwrap_any(self.rig, port, frame)
+
+
+def unwrap_any(rig: Rig, port: int, frame: bytes) -> bytes:
+    """The THC bytes of a frame the leaf sent out of ``port``, its L2-L4 headers checked: to a worker's
+    learnt address, or to the parent's configured one."""
+    hosts = rig.star.hosts
+    if port != PARENT:
+        return unwrap(port, frame, hosts[port])
+    eth = dpkt.ethernet.Ethernet(frame)
+    ip, udp = eth.data, eth.data.data
+    assert eth.dst == bytes.fromhex(hosts[PARENT].mac.replace(":", ""))
+    assert eth.src == bytes.fromhex(SWITCH_MAC.replace(":", ""))
+    assert dpkt.utils.inet_to_str(ip.src) == SERVICE_IP and dpkt.utils.inet_to_str(ip.dst) == hosts[PARENT].ip
+    assert (udp.sport, udp.dport) == (THC_UDP_PORT, SPINE_PORT)
+    assert ipv4_checksum_ok(bytes(frame[14:34])) and ip.len == 20 + udp.ulen
+    return bytes(udp.data)
 
 
 def test_the_leaf_program_forwards_partials_and_passes_the_spine_answers_down(leaf_rig: Rig) -> None:
@@ -191,6 +203,44 @@ def test_the_leaf_program_forwards_partials_and_passes_the_spine_answers_down(le
         assert tier_after[c.name] - tier_before[c.name] == ls.ref.tier_counters[c], f"tier counter {c.label}"
     assert ls.ref.counters[Counter.BAD_TYPE] == 2 and ls.ref.counters[Counter.BAD_WORKER] == 1
     assert ls.ref.tier_counters[TierCounter.STALE_PARENT] == 2
+
+
+@pytest.mark.parametrize("scenario", TIER_SCENARIOS, ids=[s["name"] for s in TIER_SCENARIOS])
+def test_tier_scenario_on_the_bmv2_leaf(leaf_rig: Rig, scenario: dict) -> None:
+    """The shared two-tier scenarios (tests/scenarios.py, hand-written answers), as tests/test_tiers.py
+    runs them on the reference leaf: each packet in makes exactly the listed packets out, on the listed
+    ports ("all": each local worker whose address was learnt, which the reference run beside it tells)."""
+    cfg = job_from_mapping(dict(scenario["job"]))
+    reload(leaf_rig, cfg)
+    learner = LeafAggregator(0, [cfg])
+    known: set[int] = set()
+    before, tier_before = leaf_rig.ctl.stats(), leaf_rig.ctl.tier_stats()
+    hosts = leaf_rig.star.hosts
+    for n, step in enumerate(scenario["steps"]):
+        where = f"{scenario['name']} step {n}"
+        send = step["send"]
+        pkt = tier_packet(send, cfg)
+        from_parent = send.get("from") == "parent"
+        learner.handle(pkt, from_parent=from_parent)
+        if learner.last_valid is not None:
+            known.add(learner.last_valid.worker)
+        port = PARENT if from_parent else send["worker"]
+        expected = []
+        for want in step["expect"]:
+            ports = {"parent": [PARENT], "sender": [port], "all": sorted(known)}[want["to"]]
+            expected += [(p, want) for p in ports]
+        leaf_rig.drain()
+        leaf_rig.send(port, parent_frame(leaf_rig, pkt) if from_parent else frame_from(hosts[port], pkt))
+        got = sorted(leaf_rig.collect(len(expected)), key=lambda x: x[0])
+        assert [p for p, _ in got] == sorted(p for p, _ in expected), f"{where}: ports {[p for p, _ in got]}"
+        for (p, frame), (_, want) in zip(got, sorted(expected, key=lambda x: x[0]), strict=True):
+            check_tier_answer(unwrap_any(leaf_rig, p, frame), want, f"{where} port {p}")
+    after, tier_after = leaf_rig.ctl.stats(), leaf_rig.ctl.tier_stats()
+    for name, value in scenario["counters"].items():
+        assert after[name] - before[name] == value, f"{scenario['name']}: {name}"
+    for name, value in scenario["tier_counters"].items():
+        assert tier_after[name] - tier_before[name] == value, f"{scenario['name']}: {name}"
+    assert after["RX"] - before["RX"] == len(scenario["steps"])
 
 
 def test_random_traffic_from_workers_and_parent_stays_in_lockstep(leaf_rig: Rig) -> None:

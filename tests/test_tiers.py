@@ -16,7 +16,8 @@ import pytest
 from aggregator.engine import Aggregator
 from aggregator.state import ReferenceAggregator
 from aggregator.tiers import Dest, LeafAggregator, SpineAggregator
-from worker_lib.job import JobConfig, JobConfigError, parse_job_spec
+from tests.scenarios import TIER_SCENARIOS, check_tier_answer, tier_packet
+from worker_lib.job import JobConfig, JobConfigError, job_from_mapping, parse_job_spec
 from worker_lib.wire import Header, PacketType, float_bits, pack_bits
 from worker_lib.wire.protocol import Counter, TierCounter
 
@@ -162,6 +163,26 @@ def test_leaf_passes_a_spine_straggler_notice_down_and_answers_later_packets_wit
     assert leaf.counters[Counter.STRAGGLER] == 2
     assert leaf.handle(notice, from_parent=True) == []  # the same notice again: nothing waits for it
     assert leaf.tier_counters[TierCounter.STALE_PARENT] == 1
+
+
+@pytest.mark.parametrize("scenario", TIER_SCENARIOS, ids=[s["name"] for s in TIER_SCENARIOS])
+def test_tier_scenario_on_the_reference_leaf(scenario: dict) -> None:
+    """The shared two-tier scenarios (tests/scenarios.py, hand-written answers) on the reference leaf;
+    tests/test_bmv2_leaf.py runs the same table on the BMv2 leaf program."""
+    cfg = job_from_mapping(dict(scenario["job"]))
+    leaf = LeafAggregator(0, [cfg])
+    for n, step in enumerate(scenario["steps"]):
+        where = f"{scenario['name']} step {n}"
+        outs = leaf.handle(tier_packet(step["send"], cfg), from_parent=step["send"].get("from") == "parent")
+        assert len(outs) == len(step["expect"]), f"{where}: {len(outs)} packets out"
+        for (dest, data), want in zip(outs, step["expect"], strict=True):
+            assert dest.name.lower() == want["to"], f"{where}: to {dest.name}"
+            check_tier_answer(data, want, where)
+    for name, value in scenario["counters"].items():
+        assert leaf.counters[Counter[name]] == value, f"{scenario['name']}: {name}"
+    for name, value in scenario["tier_counters"].items():
+        assert leaf.tier_counters[TierCounter[name]] == value, f"{scenario['name']}: {name}"
+    assert leaf.counters[Counter.RX] == len(scenario["steps"])
 
 
 # -- the spine ------------------------------------------------------------------------------------------
