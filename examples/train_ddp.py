@@ -47,7 +47,7 @@ from sim.data import DATASETS, Dataset, load_dataset, shard_indices
 from sim.models import make_model as make_classifier
 from worker_lib.cli.args import comma_list, host_port, int_in
 from worker_lib.ddp import AggregatorUnreachable, DDPHookConfig, THCHookState, register_thc_hook
-from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig
+from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig, JobConfigError, job_from_mapping
 
 log = logging.getLogger("train_ddp")
 _STORE_KEY = "thc/aggregator"
@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aggregator", metavar="HOST:PORT", type=comma_list(host_port, "10.0.0.9:9451,10.0.0.10:9451"),
                    help="a running thc-aggregator (or switch) to use; several, comma-separated, in member order "
                         "(thc-aggregator --member I/N on each): the job's slots spread over them")
+    p.add_argument("--leaves", metavar="N0:N1:...",
+                   help="two tiers (docs/protocol.md 'Two tiers'): the ranks, in order, split over leaves of N0, "
+                        "N1, ... (their sum is the world size); rank 0 starts a spine and the leaves, or "
+                        "--aggregator lists the running leaves in leaf order")
     p.add_argument("--aggregator-host", help="address rank 0's aggregator binds to (default: see epilog)")
     p.add_argument("--bind-host", help="this worker's local address for the aggregator traffic "
                                        "(default: the address that routes to the aggregator)")
@@ -182,9 +186,10 @@ def route_address(target: str) -> str:
 
 
 def job_config(args: argparse.Namespace, world: int) -> JobConfig:
+    leaves = job_from_mapping({"leaves": args.leaves}, "--leaves").leaves if args.leaves else None
     return JobConfig(job=args.job_id, key=args.key, workers=world, kind=args.compression, bits=args.bits,
                      granularity=args.granularity, p=args.p, slots=args.slots, elems=args.elems,
-                     multicast=args.multicast, mtu=args.mtu)
+                     multicast=args.multicast, mtu=args.mtu, leaves=leaves)
 
 
 def hook_config(args: argparse.Namespace, job: JobConfig, members: list[tuple[str, int]]) -> DDPHookConfig:
@@ -199,20 +204,27 @@ def hook_config(args: argparse.Namespace, job: JobConfig, members: list[tuple[st
 
 def publish_aggregator(args: argparse.Namespace, stack: contextlib.ExitStack, rank: int, world: int,
                        single_node: bool) -> list[tuple[str, int]]:
-    """The aggregators serving the job, in member order: --aggregator's, or the one rank 0 starts and
-    publishes as HOST:PORT through the store."""
+    """The aggregators serving the job, in member order (two tiers: the leaves, in leaf order): --aggregator's,
+    or those rank 0 starts and publishes as HOST:PORT,... through the store."""
     if args.aggregator:
         return list(args.aggregator)
     store = dist.distributed_c10d._get_default_store()  # the rendezvous store torchrun made
     if rank == 0:
         host = args.aggregator_host or ("127.0.0.1" if single_node
                                         else route_address(os.environ.get("MASTER_ADDR", "127.0.0.1")))
-        where = stack.enter_context(local_aggregator([job_config(args, world)], host=host, shards=args.shards,
-                                                     multicast=bool(args.multicast)))
-        store.set(_STORE_KEY, f"{where[0]}:{where[1]}")
+        job = job_config(args, world)
+        if job.tiered:
+            spine = stack.enter_context(local_aggregator([job], host=host, extra=["--role", "spine"]))
+            up = f"{spine[0]}:{spine[1]}"
+            where = [stack.enter_context(local_aggregator(
+                [job], host=host, extra=["--role", "leaf", "--leaf", str(leaf), "--upstream", up]))
+                for leaf in range(len(job.leaves))]
+        else:
+            where = [stack.enter_context(local_aggregator([job], host=host, shards=args.shards,
+                                                          multicast=bool(args.multicast)))]
+        store.set(_STORE_KEY, ",".join(f"{h}:{p}" for h, p in where))
     store.wait([_STORE_KEY], timedelta(seconds=120))
-    host, _, port = store.get(_STORE_KEY).decode().rpartition(":")
-    return [(host, int(port))]
+    return [host_port(part) for part in store.get(_STORE_KEY).decode().split(",")]
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -247,7 +259,13 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_world: int, devi
         state: THCHookState | None = None
         if args.compression != "none":
             members = publish_aggregator(args, stack, rank, world, single_node=local_world == world)
-            cfg = hook_config(args, job_config(args, world), members)
+            job = job_config(args, world)
+            if job.tiered:  # this rank talks to its leaf alone
+                if len(members) != len(job.leaves):
+                    raise ValueError(f"--leaves names {len(job.leaves)} leaves but {len(members)} aggregator "
+                                     "addresses are given")
+                members = [members[job.tier_of(rank)[0]]]
+            cfg = hook_config(args, job, members)
             state = register_thc_hook(ddp, cfg)
             stack.callback(state.close)
         opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
@@ -335,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     except AggregatorUnreachable as exc:
         print(f"train_ddp.py rank {os.environ['RANK']}: the THC aggregator is unreachable: {exc}", file=sys.stderr)
         return 3
+    except JobConfigError as exc:  # the job's options (--leaves, widths, K) refused
+        print(f"train_ddp.py rank {os.environ['RANK']}: {exc}", file=sys.stderr)
+        return 2
     except RuntimeError as exc:
         if "no answer from the aggregator" in str(exc):  # raised through DDP's future: same cause
             print(f"train_ddp.py rank {os.environ['RANK']}: the THC aggregator is unreachable: {exc}",

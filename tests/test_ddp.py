@@ -148,6 +148,15 @@ def test_two_aggregators_serve_one_job(tmp_path: Path) -> None:
     assert all(len(list(read_pcap(p))) > 20 for p in pcaps)
 
 
+def test_two_tiers_train_bit_identically(tmp_path: Path) -> None:
+    """--leaves 1:1: rank 0 starts a spine and two leaves (thc-aggregator --role spine / leaf), each rank
+    talks to its own leaf; training stays bit-identical on both ranks and its loss tracks one tier's
+    (the sums are the same, so the models are)."""
+    two = run_example(tmp_path, "thc", "--leaves", "1:1")
+    one = run_example(tmp_path, "thc")
+    assert two["identical"] and two["losses"] == one["losses"], (two["losses"][-3:], one["losses"][-3:])
+
+
 def test_killed_aggregator_fails_clearly(tmp_path: Path) -> None:
     """Killing the aggregator mid-run makes every rank fail with a clear error within the deadline, no hang."""
     job = JobConfig(job=5, key=0xABCD, workers=3)
