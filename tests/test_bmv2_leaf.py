@@ -292,10 +292,10 @@ def test_thc_switch_configures_a_leaf_from_the_command_line(leaf_rig: Rig, capsy
     base = ["--switch", leaf_rig.switch.address.target, "--election-id", "2", "job", "--job", CFG.spec(),
             "--ports", "0,1,2", "--leaf", "0"]
     assert thc_switch(base) == 1
-    assert "give --upstream, --upstream-mac, --upstream-port" in capsys.readouterr().err
+    assert "--upstream, --upstream-mac, --upstream-port (one of its leaves)" in capsys.readouterr().err
     assert thc_switch([*base, "--upstream", f"{h.ip}:{SPINE_PORT}", "--upstream-mac", h.mac,
                        "--upstream-port", str(PARENT)]) == 0
-    assert '"leaf": 0' in capsys.readouterr().out
+    assert '"role": "leaf 0"' in capsys.readouterr().out
     ls = Lockstep(leaf_rig)
     ls.worker(0, data(0, 0, 0))
     ls.worker(1, data(1, 0, 0))

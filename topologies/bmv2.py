@@ -62,14 +62,19 @@ def compile_p4(src: Path, outdir: Path, *, timeout: float = 300.0, defines: tupl
 
 
 def compile_program(outdir: Path, *, elems: int = 32, bits: int = 4, result_bits: int = 8, slots: int = 1024,
-                    jobs: int = 8, timeout: float = 300.0, leaf: bool = False) -> CompiledProgram:
+                    jobs: int = 8, timeout: float = 300.0, leaf: bool = False,
+                    spine: bool = False) -> CompiledProgram:
     """Render the program for the geometry into ``outdir``/thc.p4 and compile it (``compile_p4``); with
-    ``leaf``, as the leaf of two-tier jobs (-DTHC_LEAF, outputs thc_leaf.json and thc_leaf.p4info.txtpb)."""
+    ``leaf`` (``spine``), as the leaf (spine) of two-tier jobs: -DTHC_LEAF (-DTHC_SPINE), outputs
+    thc_leaf.* (thc_spine.*)."""
+    if leaf and spine:
+        raise ValueError("a program is a leaf or a spine, not both")
     outdir.mkdir(parents=True, exist_ok=True)
     src = outdir / "thc.p4"
     src.write_text(gen.render(gen.Geometry(elems, bits, result_bits, slots, jobs)))
-    if leaf:
-        return compile_p4(src, outdir, timeout=timeout, defines=("THC_LEAF",), stem="thc_leaf")
+    if leaf or spine:
+        role = "leaf" if leaf else "spine"
+        return compile_p4(src, outdir, timeout=timeout, defines=(f"THC_{role.upper()}",), stem=f"thc_{role}")
     return compile_p4(src, outdir, timeout=timeout)
 
 

@@ -122,6 +122,11 @@ _LOOKUP = re.compile(r"(?:^|\.)elem_(\d+)\.lookup$")
 def program_geometry(idx: P4InfoIndex) -> ProgramGeometry:
     """The THC program's geometry read from its P4Info index (raises P4InfoError if it is not a THC program)."""
     elems = sorted(int(m.group(1)) for n in idx.tables if (m := _LOOKUP.search(n)))
+    if not elems and any(n.endswith("thc_leaf_sizes") for n in idx.tables):
+        # the spine program (-DTHC_SPINE) looks nothing up: K from its sums, 2 banks of K per slot
+        slots = idx.register("slot_gen")[1]
+        _, cells, width = idx.register("sums")
+        return ProgramGeometry(cells // (2 * slots), 0, width, slots, idx.table("thc_jobs").size, has_lookups=False)
     if not elems or elems != list(range(len(elems))):
         raise P4InfoError("the P4Info has no elem_0.lookup..elem_<K-1>.lookup tables: not a THC program")
     k = len(elems)

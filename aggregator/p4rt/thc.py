@@ -43,11 +43,13 @@ from aggregator.switch.entries import (
     check_job,
     check_leaf_job,
     job_entries,
+    leaf_size_entries,
     lookup_table,
     new_generation,
     place_job,
     route_entry,
     service_entry,
+    spine_view,
     uplink_entry,
 )
 from aggregator.switch.errors import JobRefused, P4InfoError, SwitchRejected
@@ -117,10 +119,11 @@ def group_update(group: MulticastGroup, kind: int = INSERT) -> p4runtime_pb2.Upd
 
 
 def job_updates(idx: P4InfoIndex, geometry: ProgramGeometry, cfg: JobConfig, ports: tuple[int, ...],
-                place: Placement, kind: int = INSERT) -> list[p4runtime_pb2.Update]:
+                place: Placement, kind: int = INSERT, threshold: int | None = None) -> list[p4runtime_pb2.Update]:
     """The updates that install (``INSERT``) or rewrite (``MODIFY``) a job, in the order to send them:
-    lookup entries, multicast group, then the job entry (which makes the job's packets accepted)."""
-    ent = job_entries(cfg, geometry, ports, place)
+    lookup entries, multicast group, then the job entry (which makes the job's packets accepted);
+    ``threshold`` as for ``job_entries``."""
+    ent = job_entries(cfg, geometry, ports, place, threshold=threshold)
     out = [table_update(idx, e, kind) for e in ent.lookups]
     out.append(group_update(ent.group, kind))
     try:
@@ -243,7 +246,7 @@ class ThcSwitch:
         return out
 
     def configure_job(self, cfg: JobConfig, ports: tuple[int, ...] | list[int],
-                      generation: int | None = None) -> Placement:
+                      generation: int | None = None, *, threshold: int | None = None) -> Placement:
         """Install or replace a job: its lookup entries, multicast group and job entry.
 
         Replacing a job (same id) gives it a new generation, which resets its slots, banks and learnt
@@ -259,7 +262,7 @@ class ThcSwitch:
             self.remove_job(cfg.job)
             old = None
         kind = MODIFY if old is not None else INSERT
-        self.client.write(job_updates(self.index, self.geometry, cfg, ports, place, kind))
+        self.client.write(job_updates(self.index, self.geometry, cfg, ports, place, kind, threshold))
         log.info("%s: job %d configured at %s", self.address.target, cfg.job, place)
         return place
 
@@ -286,6 +289,27 @@ class ThcSwitch:
         place = self.configure_job(cfg.leaf(uplink.leaf), ports, generation)
         self.client.write([up])
         self._uplink = uplink
+        return place
+
+    def configure_spine(self, cfg: JobConfig, ports: tuple[int, ...] | list[int],
+                        generation: int | None = None) -> Placement:
+        """Serve the spine of the two-tier job ``cfg`` (docs/protocol.md, "Two tiers"): leaf l on switch
+        port ``ports[l]``, each leaf's worker count, and the job's threshold in workers. Raises JobRefused
+        (nothing written) if the program is not the spine program or cannot serve the job. Until the
+        leaf sizes follow the job entry, the job's partials are dropped as bad_format (the leaves resend)."""
+        if not any(name.endswith("thc_leaf_sizes") for name in self.index.tables):
+            raise JobRefused(f"job {cfg.job}: the running program is not the spine program (compile it with "
+                             f"-DTHC_SPINE: topologies.bmv2.compile_program(spine=True))")
+        view = spine_view(cfg, self.geometry)
+        check_job(view, self.geometry, tuple(int(p) for p in ports))
+        sizes = [table_update(self.index, e) for e in leaf_size_entries(cfg)]
+        place = self.configure_job(view, ports, generation, threshold=cfg.threshold)
+        for up in sizes:  # a reconfigured job's leaves: what an earlier configuration wrote goes first
+            try:
+                self.client.write([p4runtime_pb2.Update(type=DELETE, entity=up.entity)])
+            except SwitchRejected:
+                pass
+        self.client.write(sizes)
         return place
 
     def tier_stats(self) -> dict[str, int]:

@@ -8,6 +8,7 @@ through bfrt_python scripts.
     thc-switch --switch 127.0.0.1:9559 stats
     thc-switch --switch 127.0.0.1:9559 job --job 'job=1,leaves=4:4,elems=32' --ports 1,2,3,4 \
         --leaf 0 --upstream 10.0.1.200:9460 --upstream-mac 02:00:00:00:02:01 --upstream-port 5
+    thc-switch --switch 127.0.0.1:9560 job --job 'job=1,leaves=4:4,elems=32' --ports 1,2 --spine
 
 Tofino (p4src/tofino/thc.p4; docs/tofino.md): ``load --target tofino`` writes a bfrt_python script that
 configures ports, resets the registers and installs services, routes and jobs (lookup entries, PRE nodes
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     jb.add_argument("--leaf", type=int, metavar="L",
                     help="a two-tier job (leaves=...): this switch, running the leaf program (-DTHC_LEAF), is leaf L; "
                          "--ports are its local workers' ports, in local order")
+    jb.add_argument("--spine", action="store_true",
+                    help="a two-tier job: this switch, running the spine program (-DTHC_SPINE), is its spine; "
+                         "--ports are the leaves' ports, in leaf order")
     jb.add_argument("--upstream", metavar="IP:PORT", help="with --leaf: the spine's address and UDP port")
     jb.add_argument("--upstream-mac", metavar="MAC", help="with --leaf: the next hop's MAC towards the spine")
     jb.add_argument("--upstream-port", type=int, metavar="PORT", help="with --leaf: the switch port towards the spine")
@@ -236,11 +240,14 @@ def run(args: argparse.Namespace) -> int:
                     raise SwitchError(f"{args.config}: {len(pick)} jobs match; pick one with --job-id")
                 cfg = pick[0]
             ports = tuple(int(x) for x in args.ports.split(","))
-            if cfg.tiered or args.leaf is not None:
-                place = sw.configure_leaf(cfg, ports, _uplink(cfg, args))
-                print(json.dumps({"job": cfg.job, "leaf": args.leaf, "job_index": place.job_index,
-                                  "slot_base": place.slot_base, "mcast_grp": place.mcast_grp,
-                                  "generation": place.generation}))
+            if cfg.tiered or args.leaf is not None or args.spine:
+                if args.spine and (args.leaf is not None or not cfg.tiered):
+                    raise SwitchError("--spine is for a two-tier job (leaves=...), and not with --leaf")
+                place = sw.configure_spine(cfg, ports) if args.spine else sw.configure_leaf(cfg, ports,
+                                                                                           _uplink(cfg, args))
+                print(json.dumps({"job": cfg.job, "role": "spine" if args.spine else f"leaf {args.leaf}",
+                                  "job_index": place.job_index, "slot_base": place.slot_base,
+                                  "mcast_grp": place.mcast_grp, "generation": place.generation}))
                 return 0
             if args.fallback_control:
                 print(json.dumps(_placer(sw, args).place(cfg, ports).to_dict()))
@@ -266,7 +273,8 @@ def _uplink(cfg: JobConfig, args: argparse.Namespace) -> Uplink:
     missing = [f"--{n.replace('_', '-')}" for n in ("leaf", "upstream", "upstream_mac", "upstream_port")
                if getattr(args, n) is None]
     if missing:
-        raise SwitchError(f"job {cfg.job} has two tiers: this switch is one of its leaves; give {', '.join(missing)}")
+        raise SwitchError(f"job {cfg.job} has two tiers: give --spine (this switch is its spine), or "
+                          f"{', '.join(missing)} (one of its leaves)")
     if args.fallback_control:
         raise SwitchError("--fallback-control places one-tier jobs; a leaf's job has no software fallback here")
     ip, port = _pair(args.upstream.replace(":", ","), 2, "--upstream")

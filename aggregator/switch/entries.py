@@ -41,11 +41,13 @@ class ProgramGeometry:
     #: ``lookup_<m>``, ``indices``)
     lookup_control: str = "elem"
     lookup_key: str = "index"
+    #: False for the BMv2 spine program: it adds the leaves' sums and looks nothing up (``bits`` is 0)
+    has_lookups: bool = True
 
     @property
     def lookups(self) -> int:
-        """Lookup tables of the program: K / lookup_indices."""
-        return self.elems // self.lookup_indices
+        """Lookup tables of the program: K / lookup_indices (none in a spine program)."""
+        return self.elems // self.lookup_indices if self.has_lookups else 0
 
 
 def lookup_table(m: int, control: str = "elem") -> str:
@@ -132,7 +134,7 @@ def check_job(cfg: JobConfig, geometry: ProgramGeometry, ports: tuple[int, ...],
     if cfg.elems != g.elems:
         raise JobRefused(f"{where}: K = {cfg.elems} elements per packet, the program is compiled for K = {g.elems} "
                          f"(set elems={g.elems}, or regenerate with python -m p4gen.{target} --elems {cfg.elems})")
-    if cfg.bits != g.bits:
+    if g.has_lookups and cfg.bits != g.bits:
         raise JobRefused(f"{where}: b = {cfg.bits} bits per index, the program is compiled for b = {g.bits}")
     top = cfg.granularity * cfg.workers
     if top >= 1 << g.result_bits:
@@ -194,8 +196,10 @@ class JobEntries:
 
 
 def job_entries(cfg: JobConfig, geometry: ProgramGeometry, ports: tuple[int, ...],
-                place: Placement, target: str = "bmv2") -> JobEntries:
-    """The logical entries of a job at ``place`` (raises JobRefused if the program cannot aggregate it)."""
+                place: Placement, target: str = "bmv2", threshold: int | None = None) -> JobEntries:
+    """The logical entries of a job at ``place`` (raises JobRefused if the program cannot aggregate it).
+    ``threshold``: the job entry's completion threshold instead of ``cfg.threshold`` (a spine's counts
+    the leaves' workers, while its ``cfg`` has one worker per leaf)."""
     check_job(cfg, geometry, ports, target)
     rows = lookup_rows(cfg.values().tolist(), geometry)
     lookups = tuple(
@@ -205,7 +209,8 @@ def job_entries(cfg: JobConfig, geometry: ProgramGeometry, ports: tuple[int, ...
         for m in range(geometry.lookups) for k, v in rows)
     group = MulticastGroup(place.mcast_grp,
                            tuple((int(port), replica_id(place.job_index, w)) for w, port in enumerate(ports)))
-    vals = {"key": cfg.key, "table_id": cfg.table_id, "workers": cfg.workers, "threshold": cfg.threshold,
+    vals = {"key": cfg.key, "table_id": cfg.table_id, "workers": cfg.workers,
+            "threshold": cfg.threshold if threshold is None else threshold,
             "slots": cfg.slots, "slot_base": place.slot_base, "job_index": place.job_index,
             "mcast_grp": place.mcast_grp, "gen": place.generation}
     job = LogicalEntry("thc_jobs", (Match("hdr.thc.job", cfg.job),), "job_config",
@@ -249,6 +254,31 @@ def check_leaf_job(cfg: JobConfig, geometry: ProgramGeometry, up: Uplink) -> Non
         raise JobRefused(f"{where}: leaf {up.leaf}'s partials need {width}-bit sums (g * n_l = "
                          f"{cfg.granularity} * {cfg.leaves[up.leaf]}); the program sends {geometry.result_bits}-bit "
                          f"partials (compile it with --result-bits {width}, or use more leaves)")
+
+
+def spine_view(cfg: JobConfig, geometry: ProgramGeometry) -> JobConfig:
+    """The one-tier job a spine program is configured with for the two-tier job ``cfg``: one sender per
+    leaf (the job entry's workers are the leaves), the job's K, S, table and width. Raises JobRefused
+    unless the program can serve it: the leaves' partials and the results at the program's width, and
+    a worker count its 8-bit counters hold."""
+    where = f"job {cfg.job}"
+    if not cfg.tiered:
+        raise JobRefused(f"{where} has one tier: configure it with configure_job on a one-tier program")
+    widths = {cfg.partial_bits(leaf) for leaf in range(len(cfg.leaves))} | {cfg.result_bits}
+    if widths != {geometry.result_bits}:
+        raise JobRefused(f"{where}: partials and results need {sorted(widths)}-bit sums; the spine program adds "
+                         f"{geometry.result_bits}-bit ones (compile it with --result-bits {max(widths)})")
+    if cfg.workers > 255:
+        raise JobRefused(f"{where}: {cfg.workers} workers; the BMv2 spine counts workers in 8 bits (at most 255)")
+    return JobConfig(job=cfg.job, key=cfg.key, workers=len(cfg.leaves), kind=cfg.kind, bits=cfg.bits,
+                     granularity=cfg.granularity, p=cfg.p, table=cfg.table, result_bits=cfg.result_bits,
+                     slots=cfg.slots, elems=cfg.elems, mtu=cfg.mtu)
+
+
+def leaf_size_entries(cfg: JobConfig) -> tuple[LogicalEntry, ...]:
+    """A spine program's ``thc_leaf_sizes`` entries of the two-tier job ``cfg``: each leaf's n_l."""
+    return tuple(LogicalEntry("thc_leaf_sizes", (Match("hdr.thc.job", cfg.job), Match("hdr.thc.worker", leaf)),
+                              "leaf_size", (("n", n),)) for leaf, n in enumerate(cfg.leaves))
 
 
 def service_entry(ip: str, mac: str) -> LogicalEntry:

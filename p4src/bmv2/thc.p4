@@ -45,6 +45,21 @@
 
 #include "thc_common.p4"
 
+#if defined(THC_LEAF) && defined(THC_SPINE)
+#error "a program is a leaf (THC_LEAF) or a spine (THC_SPINE), not both"
+#endif
+// The requests the program aggregates: workers' DATA and NORM, or at a spine the leaves' PARTIAL and
+// PARTIAL_NORM (K sums at THC_RESULT_BITS instead of K indices; a leaf's worker count instead of one).
+#ifdef THC_SPINE
+#define THC_REQ_DATA THC_TYPE_PARTIAL
+#define THC_REQ_NORM THC_TYPE_PARTIAL_NORM
+#define THC_WEIGHT meta.leaf_size
+#else
+#define THC_REQ_DATA THC_TYPE_DATA
+#define THC_REQ_NORM THC_TYPE_NORM
+#define THC_WEIGHT 1
+#endif
+
 #ifdef THC_P4TESTGEN
 // Only when P4Testgen explores the program (python -m p4gen.testgen defines THC_P4TESTGEN): its
 // assumption extern, which keeps the table entries it invents to those the control plane writes.
@@ -186,6 +201,10 @@ struct thc_metadata_t {
     bit<THC_RESULT_BITS> keep;
     bit<THC_RESULT_BITS> add;
     bit<32> sum_base;
+#ifdef THC_SPINE
+    bit<8> leaf_size;       // the sending leaf's worker count n_l (thc_leaf_sizes)
+    bit<8> bank_leaves;     // leaves summed in the bank (a spine's result counts leaves)
+#endif
 #ifdef THC_LEAF
     // The leaf's uplink (thc_uplink) and whether this packet is the parent's.
     bit<1> uplink_hit;
@@ -221,11 +240,17 @@ parser ThcParser(packet_in pkt, out thc_headers_t hdr, inout thc_metadata_t meta
     ThcHeaderParser() thc_parser;
     state start {
         thc_parser.apply(pkt, hdr.ethernet, hdr.ipv4, hdr.udp, hdr.thc, hdr.data, hdr.norm);
-#ifdef THC_LEAF
-        // The parent's answers carry K sums or a norm (the shared parser stops after the THC header).
+#if defined(THC_LEAF) || defined(THC_SPINE)
+        // A leaf's parent answers with K sums or a norm, a spine's leaves send them (the shared parser
+        // stops after the THC header of these types).
         transition select(hdr.thc.isValid(), hdr.thc.version, hdr.thc.type_) {
+#ifdef THC_LEAF
             (true, THC_VERSION, THC_TYPE_RESULT): parse_result;
             (true, THC_VERSION, THC_TYPE_NORM_RESULT): parse_norm_result;
+#else
+            (true, THC_VERSION, THC_TYPE_PARTIAL): parse_result;
+            (true, THC_VERSION, THC_TYPE_PARTIAL_NORM): parse_norm_result;
+#endif
             default: accept;
         }
     }
@@ -271,6 +296,20 @@ control ThcValidate(in thc_headers_t hdr, inout thc_metadata_t meta) {
         size = THC_JOBS;
         default_action = NoAction();
     }
+#ifdef THC_SPINE
+
+    // A spine's leaves: each leaf's worker count n_l, which its partials must announce.
+    action leaf_size(bit<8> n) {
+        meta.leaf_size = n;
+    }
+
+    table thc_leaf_sizes {
+        key = { hdr.thc.job: exact; hdr.thc.worker: exact; }
+        actions = { leaf_size; NoAction; }
+        size = THC_JOBS * THC_MAX_WORKERS;
+        default_action = NoAction();
+    }
+#endif
 
     apply {
         meta.job_hit = 0;
@@ -290,13 +329,17 @@ control ThcValidate(in thc_headers_t hdr, inout thc_metadata_t meta) {
         } else if (meta.from_parent == 1 && hdr.thc.type_ != THC_TYPE_RESULT
                    && hdr.thc.type_ != THC_TYPE_NORM_RESULT && hdr.thc.type_ != THC_TYPE_STRAGGLER) {
             thc_stats.count(THC_CTR_BAD_TYPE);
-        } else if (meta.from_parent == 0 && hdr.thc.type_ != THC_TYPE_DATA && hdr.thc.type_ != THC_TYPE_NORM) {
+        } else if (meta.from_parent == 0 && hdr.thc.type_ != THC_REQ_DATA && hdr.thc.type_ != THC_REQ_NORM) {
 #else
-        } else if (hdr.thc.type_ != THC_TYPE_DATA && hdr.thc.type_ != THC_TYPE_NORM) {
+        } else if (hdr.thc.type_ != THC_REQ_DATA && hdr.thc.type_ != THC_REQ_NORM) {
 #endif
             thc_stats.count(THC_CTR_BAD_TYPE);
         } else {
             thc_jobs.apply();
+#ifdef THC_SPINE
+            meta.leaf_size = 0;
+            thc_leaf_sizes.apply();
+#endif
 #ifdef THC_P4TESTGEN
             // The job entries aggregator/switch/entries.py writes: a generation other than 0, 1 <= threshold
             // <= workers <= THC_MAX_WORKERS, the job's slots inside the register arrays, its row below
@@ -336,14 +379,24 @@ control ThcValidate(in thc_headers_t hdr, inout thc_metadata_t meta) {
                        && ulen == UDP_HEADER_BYTES + THC_HEADER_BYTES)) {
                 thc_stats.count(THC_CTR_BAD_FORMAT);
 #endif
-            } else if (hdr.thc.type_ == THC_TYPE_DATA && !(hdr.data.isValid() && hdr.thc.elems == THC_K16
+#ifdef THC_SPINE
+            } else if (hdr.thc.contributors != meta.leaf_size
+                       || hdr.thc.bitmap != ((bit<32>)1 << meta.leaf_size) - 1) {
+                thc_stats.count(THC_CTR_BAD_FORMAT);  // a partial announces its leaf's n_l workers, all of them
+            } else if (hdr.thc.type_ == THC_REQ_DATA && !(hdr.result.isValid() && hdr.thc.elems == THC_K16
+                       && hdr.thc.width == THC_RESULT_BITS && ulen == UDP_HEADER_BYTES + THC_HEADER_BYTES
+                       + THC_RESULT_BYTES)) {
+                thc_stats.count(THC_CTR_BAD_FORMAT);
+#else
+            } else if (hdr.thc.type_ == THC_REQ_DATA && !(hdr.data.isValid() && hdr.thc.elems == THC_K16
                        && hdr.thc.width == THC_INDEX_BITS && ulen == UDP_HEADER_BYTES + THC_HEADER_BYTES
                        + THC_DATA_BYTES)) {
                 thc_stats.count(THC_CTR_BAD_FORMAT);
-            } else if (hdr.thc.type_ == THC_TYPE_NORM && !(hdr.norm.isValid() && hdr.thc.elems == 1
+#endif
+            } else if (hdr.thc.type_ == THC_REQ_NORM && !(hdr.norm.isValid() && hdr.thc.elems == 1
                        && hdr.thc.width == 32 && ulen == UDP_HEADER_BYTES + THC_HEADER_BYTES + 4)) {
                 thc_stats.count(THC_CTR_BAD_FORMAT);
-            } else if (hdr.thc.type_ == THC_TYPE_NORM && norm_bad) {
+            } else if (hdr.thc.type_ == THC_REQ_NORM && norm_bad) {
                 thc_stats.count(THC_CTR_BAD_NORM);
             } else {
                 meta.valid = 1;
@@ -363,11 +416,14 @@ control ThcStateTable(in thc_headers_t hdr, inout thc_metadata_t meta) {
     register<bit<16>>(THC_SLOTS) slot_round;     // the slot's current (newest) round
     register<bit<32>>(THC_BANKS) bank_gen;       // generation of the bank's contents (else empty)
     register<bit<16>>(THC_BANKS) bank_round;
-    register<bit<8>>(THC_BANKS) bank_kind;       // THC_TYPE_DATA or THC_TYPE_NORM
+    register<bit<8>>(THC_BANKS) bank_kind;       // THC_REQ_DATA or THC_REQ_NORM
     register<bit<8>>(THC_BANKS) bank_complete;
     register<bit<32>>(THC_BANKS) bank_bitmap;
     register<bit<8>>(THC_BANKS) bank_count;
     register<bit<32>>(THC_BANKS) bank_norm;      // max of the norm bits (NORM rounds)
+#ifdef THC_SPINE
+    register<bit<8>>(THC_BANKS) bank_leaves;     // leaves summed (bank_count counts their workers)
+#endif
 #ifdef THC_LEAF
     register<bit<8>>(THC_BANKS) bank_forwarded;  // FORWARDED: complete here, the partial sent
     register<bit<8>>(THC_BANKS) bank_upstream;   // UPSTREAM_STALE: the parent's notice came
@@ -397,6 +453,10 @@ control ThcStateTable(in thc_headers_t hdr, inout thc_metadata_t meta) {
         bank_bitmap.read(bmap, gb);
         bank_count.read(bcount, gb);
         bank_norm.read(bnorm, gb);
+#ifdef THC_SPINE
+        bit<8> bleaves = 0;
+        bank_leaves.read(bleaves, gb);
+#endif
 #ifdef THC_LEAF
         bit<8> bfwd = 0;
         bit<8> bup = 0;
@@ -455,8 +515,8 @@ control ThcStateTable(in thc_headers_t hdr, inout thc_metadata_t meta) {
                     thc_tier_stats.count(THC_TIER_STALE_PARENT);
                 }
             } else if (bgen == meta.job_gen && bfwd == 1 && bcomplete == 0 && bup == 0 && bround == hdr.thc.round
-                       && ((hdr.thc.type_ == THC_TYPE_RESULT && bkind == THC_TYPE_DATA)
-                           || (hdr.thc.type_ == THC_TYPE_NORM_RESULT && bkind == THC_TYPE_NORM))) {
+                       && ((hdr.thc.type_ == THC_TYPE_RESULT && bkind == THC_REQ_DATA)
+                           || (hdr.thc.type_ == THC_TYPE_NORM_RESULT && bkind == THC_REQ_NORM))) {
                 // The bank takes the parent's sums (the ingress writes them), count and bitmap: COMPLETE.
                 bank_complete.write(gb, 1);
                 bank_count.write(gb, hdr.thc.contributors);
@@ -479,13 +539,16 @@ control ThcStateTable(in thc_headers_t hdr, inout thc_metadata_t meta) {
             bround = hdr.thc.round;
             bkind = t;
             bmap = wbit;
-            bcount = 1;
+            bcount = THC_WEIGHT;
             bcomplete = 0;
+#ifdef THC_SPINE
+            bleaves = 1;
+#endif
 #ifdef THC_LEAF
             bfwd = 0;
             bup = 0;
 #endif
-            if (t == THC_TYPE_NORM) {
+            if (t == THC_REQ_NORM) {
                 bnorm = hdr.norm.value;
             }
             meta.keep = 0;
@@ -519,8 +582,11 @@ control ThcStateTable(in thc_headers_t hdr, inout thc_metadata_t meta) {
             } else {
                 // ACTIVE, new contributor.
                 bmap = bmap | wbit;
-                bcount = bcount + 1;
-                if (t == THC_TYPE_NORM) {  // nested: no read of the norm word of a DATA packet
+                bcount = bcount + THC_WEIGHT;
+#ifdef THC_SPINE
+                bleaves = bleaves + 1;
+#endif
+                if (t == THC_REQ_NORM) {  // nested: no read of the norm word of a DATA packet
                     if (hdr.norm.value > bnorm) {
                         bnorm = hdr.norm.value;
                     }
@@ -537,7 +603,7 @@ control ThcStateTable(in thc_headers_t hdr, inout thc_metadata_t meta) {
 
         if (meta.update == 1) {
             thc_stats.count(THC_CTR_ACCEPTED);
-            if (t == THC_TYPE_DATA) {
+            if (t == THC_REQ_DATA) {
                 thc_stats.count(THC_CTR_ELEMENTS);
             }
             if (bcount >= meta.job_threshold) {
@@ -559,6 +625,9 @@ control ThcStateTable(in thc_headers_t hdr, inout thc_metadata_t meta) {
             bank_bitmap.write(gb, bmap);
             bank_count.write(gb, bcount);
             bank_norm.write(gb, bnorm);
+#ifdef THC_SPINE
+            bank_leaves.write(gb, bleaves);
+#endif
 #ifdef THC_LEAF
             bank_forwarded.write(gb, bfwd);
             bank_upstream.write(gb, bup);
@@ -574,6 +643,9 @@ control ThcStateTable(in thc_headers_t hdr, inout thc_metadata_t meta) {
         meta.bank_count = bcount;
         meta.bank_bitmap = bmap;
         meta.bank_norm = bnorm;
+#ifdef THC_SPINE
+        meta.bank_leaves = bleaves;
+#endif
         meta.sum_base = gb * THC_K;
     }
 }
@@ -600,7 +672,16 @@ control ThcElement(in bit<16> job_index, in bit<(THC_INDEX_BITS)> index, in bit<
     }
 
     apply {
+#ifdef THC_SPINE
+        // A spine adds the partial's own sum (already in ``sum``): no lookup.
+        bit<THC_RESULT_BITS> x;
+        sums.read(x, sum_index);
+        x = (x & keep) + (sum & add);
+        sums.write(sum_index, x);
+        sum = x;
+#else
         lookup.apply();
+#endif
     }
 }
 
@@ -620,7 +701,7 @@ control ThcReply(inout thc_headers_t hdr, inout thc_metadata_t meta,
                 hdr.thc.round = meta.bank_round;
                 hdr.thc.bitmap = meta.bank_bitmap;
                 hdr.thc.flags = 0;
-                if (hdr.thc.type_ == THC_TYPE_NORM) {
+                if (hdr.thc.type_ == THC_REQ_NORM) {
                     hdr.thc.type_ = THC_TYPE_PARTIAL_NORM;
                     hdr.thc.elems = 1;
                     hdr.thc.width = 32;
@@ -664,10 +745,14 @@ control ThcReply(inout thc_headers_t hdr, inout thc_metadata_t meta,
             hdr.result.setInvalid();
             hdr.udp.length = UDP_HEADER_BYTES + THC_HEADER_BYTES;
         } else {
+#ifdef THC_SPINE
+            hdr.thc.contributors = meta.bank_leaves;  // a spine's results count leaves
+#else
             hdr.thc.contributors = meta.bank_count;
+#endif
             hdr.thc.round = meta.bank_round;
             hdr.thc.bitmap = meta.bank_bitmap;
-            if (hdr.thc.type_ == THC_TYPE_NORM) {
+            if (hdr.thc.type_ == THC_REQ_NORM) {
                 hdr.thc.type_ = THC_TYPE_NORM_RESULT;
                 hdr.thc.elems = 1;
                 hdr.thc.width = 32;
@@ -842,10 +927,10 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                 state_table.apply(hdr, meta);
                 // Sums: look every index up and add it (or only read the bank for a retained result).
 #ifdef THC_LEAF
-                if (hdr.thc.type_ == THC_TYPE_DATA
+                if (hdr.thc.type_ == THC_REQ_DATA
                     && (meta.update == 1 || meta.emit == EMIT_RETAINED || meta.emit == EMIT_PARTIAL)) {
 #else
-                if (hdr.thc.type_ == THC_TYPE_DATA && (meta.update == 1 || meta.emit == EMIT_RETAINED)) {
+                if (hdr.thc.type_ == THC_REQ_DATA && (meta.update == 1 || meta.emit == EMIT_RETAINED)) {
 #endif
                     hdr.result.setValid();
                     elem_0.apply(meta.job_index, hdr.data.i0, meta.sum_base + 0, meta.keep, meta.add, hdr.result.s0);
