@@ -32,8 +32,8 @@ def test_payload_headers_follow_the_geometry(elems: int, bits: int, rbits: int) 
     applied = re.findall(r"elem_(\d+)\.apply\(meta\.job_index, hdr\.data\.i(\d+), meta\.sum_base \+ (\d+), "
                          r"meta\.keep, meta\.add, hdr\.result\.s(\d+)\);", text)
     assert applied == [(str(e),) * 4 for e in range(elems)]
-    # thc_jobs, lookup, ipv4_lpm, thc_service, and the leaf's thc_uplink
-    assert len(re.findall(r"^\s+table \w+ \{", text, re.M)) == 5
+    # thc_jobs, lookup, ipv4_lpm, thc_service, the leaf's thc_uplink and the spine's thc_leaf_sizes
+    assert len(re.findall(r"^\s+table \w+ \{", text, re.M)) == 6
     stores = re.findall(r"sums\.write\(meta\.sum_base \+ (\d+), hdr\.result\.s(\d+)\);", text)
     assert stores == [(str(e), str(e)) for e in range(elems)]  # the leaf stores the parent's sums
     assert "@" not in re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S).replace("@name", "")
