@@ -14,7 +14,7 @@ int32 summed with two's-complement wrap, norms are maxed as raw IEEE-754 bits.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -163,12 +163,13 @@ class ReferenceAggregator:
 
     def add_job(self, cfg: JobConfig) -> None:
         """Configure a job with all its slots empty (replacing a job of the same id resets it)."""
-        if cfg.kind not in ("thc", "uncompressed"):
-            raise JobConfigError(f"job {cfg.job}: kind {cfg.kind!r} is not a switch job")
         cfg.check_one_tier()
         self._install(cfg)
 
     def _install(self, cfg: JobConfig) -> None:
+        """Configure the job this table runs (one tier's, a leaf's or a spine's) with all its slots empty."""
+        if cfg.kind not in ("thc", "uncompressed"):
+            raise JobConfigError(f"job {cfg.job}: kind {cfg.kind!r} is not a switch job")
         self.jobs[cfg.job] = Job(cfg, [Slot(banks=(self.bank_type(), self.bank_type())) for _ in range(cfg.slots)])
 
     def remove_job(self, job: int) -> None:
@@ -177,14 +178,10 @@ class ReferenceAggregator:
 
     def handle(self, packet: bytes) -> list[Output]:
         """Apply the state table to one packet; return what it makes the aggregator send."""
-        self.counters[Counter.RX] += 1
-        self.last_valid = None
-        if len(packet) < HEADER_BYTES:
-            return self._nothing_but(Counter.SHORT)
-        hdr, payload = Header.parse(packet)
-        failed = self._validate(hdr, len(packet), payload)
-        if failed is not None:
-            return self._nothing_but(failed)
+        received = self._receive(packet, self._validate)
+        if received is None:
+            return []
+        hdr, payload = received
         self.last_valid = hdr
         job = self.jobs[hdr.job]
         slot = job.slots[hdr.slot]
@@ -222,6 +219,22 @@ class ReferenceAggregator:
         self._count(Counter.ACCEPTED)
         self._count_elements(job, hdr)
         return self._completion(job, bank, hdr)
+
+    def _receive(self, packet: bytes, validate: Callable[[Header, int, bytes], Counter | None]
+                 ) -> tuple[Header, bytes] | None:
+        """The steps before a state table: count the packet, check its length, parse it and ``validate``
+        it; (header, payload), or None when it is dropped (its counter counted)."""
+        self.counters[Counter.RX] += 1
+        self.last_valid = None
+        if len(packet) < HEADER_BYTES:
+            self._nothing_but(Counter.SHORT)
+            return None
+        hdr, payload = Header.parse(packet)
+        failed = validate(hdr, len(packet), payload)
+        if failed is not None:
+            self._nothing_but(failed)
+            return None
+        return hdr, payload
 
     # -- what a tier overrides -----------------------------------------------------------------------
     def _validate(self, hdr: Header, length: int, payload: bytes) -> Counter | None:

@@ -136,7 +136,8 @@ class TierServer:
             if from_parent and self._lose():
                 continue
             try:
-                outs = machine.handle(packet, from_parent=from_parent) if from_parent else machine.handle(packet)
+                # only a leaf has a parent (a spine's self.parent is empty)
+                outs = machine.handle(packet, from_parent=True) if from_parent else machine.handle(packet)
             except Exception:  # a server never crashes on a packet; the reference raising is a bug to log
                 log.exception("packet of %d bytes from %s raised; dropped", len(packet), src[:8].hex())
                 continue

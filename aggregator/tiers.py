@@ -44,8 +44,6 @@ PARTIAL_TYPE = {PacketType.DATA: PacketType.PARTIAL, PacketType.NORM: PacketType
 
 
 def _two_tier(cfg: JobConfig) -> JobConfig:
-    if cfg.kind not in ("thc", "uncompressed"):
-        raise JobConfigError(f"job {cfg.job}: kind {cfg.kind!r} is not a switch job")
     if not cfg.tiered:
         raise JobConfigError(f"job {cfg.job}: not a two-tier job: configure leaves=N0:N1:...")
     return cfg
@@ -136,14 +134,10 @@ class LeafAggregator(ReferenceAggregator):
         """Apply the leaf's table to one packet: from a local worker, or (``from_parent``) from the spine."""
         if not from_parent:
             return [(Dest(d), p) for d, p in super().handle(packet)]
-        self.counters[Counter.RX] += 1
-        self.last_valid = None
-        if len(packet) < HEADER_BYTES:
-            return self._nothing_but(Counter.SHORT)
-        hdr, payload = Header.parse(packet)
-        failed = self._validate_parent(hdr, len(packet))
-        if failed is not None:
-            return self._nothing_but(failed)
+        received = self._receive(packet, self._validate_parent)  # teaches no address: last_valid stays None
+        if received is None:
+            return []
+        hdr, payload = received
         job = self.jobs[hdr.job]
         slot = job.slots[hdr.slot]
         if hdr.type == PacketType.STRAGGLER:
@@ -175,7 +169,7 @@ class LeafAggregator(ReferenceAggregator):
         assert isinstance(bank, LeafBank)
         return bank.forwarded and not bank.complete and bank.upstream_round is None
 
-    def _validate_parent(self, hdr: Header, length: int) -> Counter | None:
+    def _validate_parent(self, hdr: Header, length: int, payload: bytes) -> Counter | None:
         """The checks of a packet from the parent (docs/protocol.md, "Leaf state table")."""
         if hdr.version != VERSION:
             return Counter.BAD_VERSION
