@@ -88,9 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-#: Options of the one-tier server that a tier does not take (name, its default).
-_FLAT_ONLY = (("shards", 1), ("member", (0, 1)), ("multicast", False), ("engine", "compiled"), ("busy_poll", False),
-              ("gro", False), ("metrics_port", None), ("control", None), ("control_token_file", None), ("pcap", None))
+#: Options of the one-tier server that a tier does not take.
+_FLAT_ONLY = ("shards", "member", "multicast", "engine", "busy_poll", "gro", "metrics_port", "control",
+              "control_token_file", "pcap")
 
 
 def _refused(exc: Exception) -> int:
@@ -100,9 +100,9 @@ def _refused(exc: Exception) -> int:
     return 1 if isinstance(exc, OSError) else 2
 
 
-def serve_tier(args: argparse.Namespace) -> int:
+def serve_tier(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``--role leaf|spine``: serve a tier of two-tier jobs until a signal."""
-    given = [f"--{name.replace('_', '-')}" for name, default in _FLAT_ONLY if getattr(args, name) != default]
+    given = [f"--{name.replace('_', '-')}" for name in _FLAT_ONLY if getattr(args, name) != parser.get_default(name)]
     if given:
         print(f"thc-aggregator: --role {args.role} does not take {', '.join(given)}", file=sys.stderr)
         return 2
@@ -126,10 +126,11 @@ def serve_tier(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.role != "flat":
-        return serve_tier(args)
+        return serve_tier(args, parser)
     if args.leaf is not None or args.upstream is not None or args.parent_loss:
         print("thc-aggregator: --leaf, --upstream and --parent-loss are for --role leaf", file=sys.stderr)
         return 2

@@ -271,6 +271,11 @@ class ThcSwitch:
         """Whether the running program is the leaf program (compiled with -DTHC_LEAF: it has thc_uplink)."""
         return any(name.endswith("thc_uplink") for name in self.index.tables)
 
+    @property
+    def is_spine(self) -> bool:
+        """Whether the running program is the spine program (-DTHC_SPINE: it has thc_leaf_sizes)."""
+        return any(name.endswith("thc_leaf_sizes") for name in self.index.tables)
+
     def configure_leaf(self, cfg: JobConfig, ports: tuple[int, ...] | list[int], uplink: Uplink,
                        generation: int | None = None) -> Placement:
         """Serve leaf ``uplink.leaf`` of the two-tier job ``cfg`` (docs/protocol.md, "Two tiers"): its
@@ -297,11 +302,10 @@ class ThcSwitch:
         port ``ports[l]``, each leaf's worker count, and the job's threshold in workers. Raises JobRefused
         (nothing written) if the program is not the spine program or cannot serve the job. Until the
         leaf sizes follow the job entry, the job's partials are dropped as bad_format (the leaves resend)."""
-        if not any(name.endswith("thc_leaf_sizes") for name in self.index.tables):
+        if not self.is_spine:
             raise JobRefused(f"job {cfg.job}: the running program is not the spine program (compile it with "
                              f"-DTHC_SPINE: topologies.bmv2.compile_program(spine=True))")
         view = spine_view(cfg, self.geometry)
-        check_job(view, self.geometry, tuple(int(p) for p in ports))
         sizes = [table_update(self.index, e) for e in leaf_size_entries(cfg)]
         place = self.configure_job(view, ports, generation, threshold=cfg.threshold)
         for up in sizes:  # a reconfigured job's leaves: what an earlier configuration wrote goes first

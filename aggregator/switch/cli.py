@@ -45,7 +45,7 @@ from aggregator.placement import Fallback, JobPlacer
 from aggregator.switch.entries import Uplink
 from aggregator.switch.errors import SwitchError
 from p4gen.tofino import TofinoGeometry
-from worker_lib.cli.args import log_level
+from worker_lib.cli.args import host_port, log_level
 from worker_lib.job import JobConfig, JobConfigError, load_jobs, parse_job_spec
 
 TARGETS = ("bmv2", "tofino", "tofino2")
@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     jb.add_argument("--spine", action="store_true",
                     help="a two-tier job: this switch, running the spine program (-DTHC_SPINE), is its spine; "
                          "--ports are the leaves' ports, in leaf order")
-    jb.add_argument("--upstream", metavar="IP:PORT", help="with --leaf: the spine's address and UDP port")
+    jb.add_argument("--upstream", type=host_port, metavar="IP:PORT",
+                    help="with --leaf: the spine's address and UDP port")
     jb.add_argument("--upstream-mac", metavar="MAC", help="with --leaf: the next hop's MAC towards the spine")
     jb.add_argument("--upstream-port", type=int, metavar="PORT", help="with --leaf: the switch port towards the spine")
     jb.add_argument("--service-address", metavar="HOST:PORT", default="switch",
@@ -277,8 +278,8 @@ def _uplink(cfg: JobConfig, args: argparse.Namespace) -> Uplink:
                           f"{', '.join(missing)} (one of its leaves)")
     if args.fallback_control:
         raise SwitchError("--fallback-control places one-tier jobs; a leaf's job has no software fallback here")
-    ip, port = _pair(args.upstream.replace(":", ","), 2, "--upstream")
-    return Uplink(leaf=args.leaf, leaves=len(cfg.leaves), ip=ip, port=int(port), mac=args.upstream_mac,
+    ip, port = args.upstream
+    return Uplink(leaf=args.leaf, leaves=len(cfg.leaves), ip=ip, port=port, mac=args.upstream_mac,
                   out_port=args.upstream_port)
 
 

@@ -246,7 +246,7 @@ def check_leaf_job(cfg: JobConfig, geometry: ProgramGeometry, up: Uplink) -> Non
     where = f"job {cfg.job}"
     if not cfg.tiered:
         raise JobRefused(f"{where} has one tier: configure it with configure_job on a one-tier program")
-    if (len(cfg.leaves), up.leaf) != (up.leaves, up.leaf) or not 0 <= up.leaf < len(cfg.leaves):
+    if len(cfg.leaves) != up.leaves or not 0 <= up.leaf < up.leaves:
         raise JobRefused(f"{where}: the uplink is leaf {up.leaf} of {up.leaves}, the job has "
                          f"{len(cfg.leaves)} leaves")
     width = cfg.partial_bits(up.leaf)
