@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from launchers.aggregator_process import local_aggregator
+from launchers.aggregator_process import local_aggregator, local_tiers
 from sim.data import DATASETS, Dataset, load_dataset, shard_indices
 from sim.models import make_model as make_classifier
 from worker_lib.cli.args import comma_list, host_port, int_in
@@ -214,11 +214,7 @@ def publish_aggregator(args: argparse.Namespace, stack: contextlib.ExitStack, ra
                                         else route_address(os.environ.get("MASTER_ADDR", "127.0.0.1")))
         job = job_config(args, world)
         if job.tiered:
-            spine = stack.enter_context(local_aggregator([job], host=host, extra=["--role", "spine"]))
-            up = f"{spine[0]}:{spine[1]}"
-            where = [stack.enter_context(local_aggregator(
-                [job], host=host, extra=["--role", "leaf", "--leaf", str(leaf), "--upstream", up]))
-                for leaf in range(len(job.leaves))]
+            where = stack.enter_context(local_tiers(job, host=host))[1]
         else:
             where = [stack.enter_context(local_aggregator([job], host=host, shards=args.shards,
                                                           multicast=bool(args.multicast)))]

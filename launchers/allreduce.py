@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from aggregator.engine import Aggregator
-from launchers.aggregator_process import die_with_parent, local_aggregator
+from launchers.aggregator_process import die_with_parent, local_aggregator, local_tiers
 from worker_lib.cli.args import comma_list, float_in, fraction, host_port, int_in
 from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig, JobConfigError, job_from_mapping
 from worker_lib.wire.bits import pack_bits
@@ -238,11 +238,8 @@ def run(args: argparse.Namespace) -> dict:
             if args.aggregator or args.aggregators > 1 or args.shards > 1 or args.pcap:
                 raise ValueError("--leaves starts its own spine and leaves: drop --aggregator, --aggregators, "
                                  "--shards and --pcap")
-            spine = stack.enter_context(local_aggregator([job], extra=["--role", "spine"]))
-            leaf_addresses = [stack.enter_context(local_aggregator(
-                [job], extra=["--role", "leaf", "--leaf", str(leaf), "--upstream", f"{spine[0]}:{spine[1]}",
-                              "--parent-loss", str(args.parent_loss), "--seed", str(args.seed * 64 + leaf)]))
-                for leaf in range(len(job.leaves))]
+            spine, leaf_addresses = stack.enter_context(local_tiers(job, parent_loss=args.parent_loss,
+                                                                    seed=args.seed))
             members = [spine]
         elif args.aggregator:
             members = list(args.aggregator)
