@@ -25,7 +25,7 @@ from benchmarks.engine import SLOTS_PER_BATCH, WORKERS, batch
 from worker_lib.cli.args import int_in
 from worker_lib.job import JobConfig
 from worker_lib.wire import Header
-from worker_lib.wire.protocol import Counter
+from worker_lib.wire.protocol import Counter, TierCounter
 
 LEAVES = 2
 
@@ -58,8 +58,9 @@ def rates(elems: int, batches: int) -> dict[str, float]:
         if r:  # the first batch warms up (the engine compiles)
             leaf_s, spine_s, engine_s = leaf_s + t1 - t0, spine_s + t3 - t2, engine_s + t4 - t3
     done = SLOTS_PER_BATCH * (batches + 1)
-    if (leaf.tier_counters[0], spine.counters[Counter.COMPLETED], engine.counters[Counter.COMPLETED]) != \
-            (done, done, done):
+    finished = (leaf.tier_counters[TierCounter.FORWARDED], spine.counters[Counter.COMPLETED],
+                engine.counters[Counter.COMPLETED])
+    if finished != (done, done, done):
         raise SystemExit("the benchmark's rounds did not all complete: a bug in the benchmark or the roles")
     n = batches * len(lens)  # DATA packets timed (leaf and engine)
     return {"elems": elems, "leaf_pps": n / leaf_s, "spine_pps": batches * LEAVES * SLOTS_PER_BATCH / spine_s,

@@ -66,21 +66,57 @@ class NetworkStats:
     contributors: list[int] = field(default_factory=list)  # of every completed chunk
 
 
-class SimulatedNetwork:
-    """n workers of one job and an in-process reference aggregator."""
+class JobNetwork:
+    """What every simulated network of one job shares (this one-tier network, ``sim.tiered``'s two tiers
+    and flat design): the uses of the slot pool, the send order of a use, seeded loss, the chunking of
+    a tensor, and the network as one step's exchange."""
 
     def __init__(self, job: JobConfig, loss: LinkLoss, seed: int) -> None:
         self.job = job
         self.loss = loss
-        self.aggregator = Aggregator([job], max_batch=max(64, 2 * job.workers + 2))
         self.rng = np.random.default_rng(seed)
         self.uses = 0
-        self.stats = NetworkStats()
 
     def _next_use(self) -> tuple[int, int]:
         u = self.uses
         self.uses += 1
         return use_slot_round(u, self.job.slots)
+
+    def _order(self, late: np.ndarray) -> np.ndarray:
+        """Send order of one use: on-time workers shuffled, then the late ones."""
+        on_time = np.flatnonzero(~late)
+        return np.concatenate([self.rng.permutation(on_time), np.flatnonzero(late)])
+
+    def _lost(self, p: float) -> bool:
+        """Whether a packet on a link with drop probability ``p`` is lost (no draw when p is 0)."""
+        return bool(p) and bool(self.rng.random() < p)
+
+    def _chunks(self, indices: np.ndarray) -> int:
+        """Chunks of K indices in each worker's (padded-length) row of ``indices``."""
+        length, k = indices.shape[1], self.job.elems
+        if length % k:
+            raise ValueError(f"a tensor of {length} indices is not a whole number of {k}-index chunks")
+        return length // k
+
+    def _nothing_back(self, chunks: int) -> list[UseResults]:
+        """Each worker's results before any answer: zero sums, contributors and bitmaps, every chunk lost."""
+        k = self.job.elems
+        return [UseResults(np.zeros((chunks, k), np.int64), np.zeros(chunks, np.int64), np.zeros(chunks, np.int64),
+                           np.ones(chunks, bool)) for _ in range(self.job.workers)]
+
+    def step(self, late: np.ndarray) -> StepExchange:
+        """This network as the exchange of one allreduce (``worker_lib.allreduce.thc_allreduce``) in which
+        the ``late`` workers send after the others."""
+        return StepExchange(self, late)
+
+
+class SimulatedNetwork(JobNetwork):
+    """n workers of one job and an in-process reference aggregator."""
+
+    def __init__(self, job: JobConfig, loss: LinkLoss, seed: int) -> None:
+        super().__init__(job, loss, seed)
+        self.aggregator = Aggregator([job], max_batch=max(64, 2 * job.workers + 2))
+        self.stats = NetworkStats()
 
     def _run(self, rows: np.ndarray, senders: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """Feed packets through the aggregator; return (header, payload) of every packet delivered to
@@ -101,11 +137,6 @@ class SimulatedNetwork:
                     continue
                 inbox[w].append((head, payload))
         return inbox
-
-    def _order(self, late: np.ndarray) -> np.ndarray:
-        """Send order of one use: on-time workers shuffled, then the late ones."""
-        on_time = np.flatnonzero(~late)
-        return np.concatenate([self.rng.permutation(on_time), np.flatnonzero(late)])
 
     def norm_stage(self, norms: np.ndarray, late: np.ndarray, tensor: int = 0) -> np.ndarray:
         """Max of the norms as each worker learns it (reliable: retransmitted until it completes)."""
@@ -137,14 +168,10 @@ class SimulatedNetwork:
         """Send each worker's (padded-length) indices chunk by chunk; collect what comes back to each
         worker: (chunks, K) int64 sums, contributors and bitmaps (0 where lost) and the lost chunks."""
         job = self.job
-        n, length = indices.shape
-        k = job.elems
-        if length % k:
-            raise ValueError(f"a tensor of {length} indices is not a whole number of {k}-index chunks")
-        chunks = length // k
+        n, k = indices.shape[0], job.elems
+        chunks = self._chunks(indices)
         packed = pack_bits(indices.reshape(n * chunks, k), job.bits).reshape(n, chunks, -1)
-        res = [UseResults(np.zeros((chunks, k), np.int64), np.zeros(chunks, np.int64), np.zeros(chunks, np.int64),
-                          np.ones(chunks, bool)) for _ in range(n)]
+        res = self._nothing_back(chunks)
         for c in range(chunks):
             slot, rnd = self._next_use()
             order = self._order(late)
@@ -171,12 +198,6 @@ class SimulatedNetwork:
                 self.stats.contributors.append(done)
         self.stats.lost_chunks += sum(int(r.lost.sum()) for r in res)
         return res
-
-    def step(self, late: np.ndarray) -> StepExchange:
-        """This network as the exchange of one allreduce (``worker_lib.allreduce.thc_allreduce``) in which
-        the ``late`` workers send after the others."""
-        return StepExchange(self, late)
-
 
 class StagedNetwork(Protocol):
     """What ``StepExchange`` drives: the norm stage and the data stage of all n workers of a job (this

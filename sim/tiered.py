@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from aggregator.tiers import Dest, LeafAggregator, SpineAggregator
-from sim.network import LinkLoss, NetworkStats, StepExchange
+from sim.network import JobNetwork, LinkLoss, NetworkStats
 from worker_lib.job import JobConfig
 from worker_lib.transport import UseResults
 from worker_lib.wire import Header, PacketType, bits_float, float_bits, pack_bits
-from worker_lib.wire.protocol import use_slot_round
+from worker_lib.wire.protocol import TierCounter
 from worker_lib.wire.serializer import decode_sums
 
 
@@ -40,37 +40,7 @@ class TierStats(NetworkStats):
     forwarded: list[int] = field(default_factory=list)  #: partials the leaves sent, per data stage
 
 
-def _chunks(job: JobConfig, indices: np.ndarray) -> int:
-    if indices.shape[1] % job.elems:
-        raise ValueError(f"a tensor of {indices.shape[1]} indices is not a whole number of {job.elems}-index chunks")
-    return indices.shape[1] // job.elems
-
-
-class _Staged:
-    """Use numbering, send order and seeded loss, shared by both designs."""
-
-    def __init__(self, job: JobConfig, loss: LinkLoss, seed: int) -> None:
-        self.job, self.loss = job, loss
-        self.rng = np.random.default_rng(seed)
-        self.uses = 0
-
-    def _next_use(self) -> tuple[int, int]:
-        u, self.uses = self.uses, self.uses + 1
-        return use_slot_round(u, self.job.slots)
-
-    def _order(self, late: np.ndarray) -> np.ndarray:
-        """Send order of one use: on-time workers shuffled, then the late ones."""
-        return np.concatenate([self.rng.permutation(np.flatnonzero(~late)), np.flatnonzero(late)])
-
-    def _lost(self, p: float) -> bool:
-        return bool(p) and bool(self.rng.random() < p)
-
-    def step(self, late: np.ndarray) -> StepExchange:
-        """This network as the exchange of one allreduce (``worker_lib.allreduce.thc_allreduce``)."""
-        return StepExchange(self, late)
-
-
-class TieredNetwork(_Staged):
+class TieredNetwork(JobNetwork):
     """n workers of a two-tier job, their leaves and the spine, in process."""
 
     def __init__(self, job: JobConfig, loss: LinkLoss, spine_loss: LinkLoss, seed: int) -> None:
@@ -142,11 +112,10 @@ class TieredNetwork(_Staged):
     def data_stage(self, indices: np.ndarray, late: np.ndarray, tensor: int = 0) -> list[UseResults]:
         """Each worker's indices chunk by chunk through both tiers; what comes back to each worker."""
         job, n, k = self.job, self.job.workers, self.job.elems
-        chunks = _chunks(job, indices)
+        chunks = self._chunks(indices)
         packed = pack_bits(indices.reshape(n * chunks, k), job.bits).reshape(n, chunks, -1)
-        res = [UseResults(np.zeros((chunks, k), np.int64), np.zeros(chunks, np.int64), np.zeros(chunks, np.int64),
-                          np.ones(chunks, bool)) for _ in range(n)]
-        before = sum(leaf.tier_counters[0] for leaf in self.leaves)
+        res = self._nothing_back(chunks)
+        before = sum(leaf.tier_counters[TierCounter.FORWARDED] for leaf in self.leaves)
         for c in range(chunks):
             slot, rnd = self._next_use()
             packets = [(w, *self._packet(PacketType.DATA, w, slot, rnd, tensor, c, packed[w, c].tobytes()))
@@ -165,12 +134,12 @@ class TieredNetwork(_Staged):
                     break
             if done:
                 self.stats.contributors.append(done)
-        self.stats.forwarded.append(sum(leaf.tier_counters[0] for leaf in self.leaves) - before)
+        self.stats.forwarded.append(sum(leaf.tier_counters[TierCounter.FORWARDED] for leaf in self.leaves) - before)
         self.stats.lost_chunks += sum(int(r.lost.sum()) for r in res)
         return res
 
 
-class FlatNetwork(_Staged):
+class FlatNetwork(JobNetwork):
     """The flat design for a job of any size: one aggregator, its state table's outcome without packets
     (module docstring). ``job`` gives the table, K, S and the threshold (its ``leaves`` are ignored)."""
 
@@ -189,9 +158,8 @@ class FlatNetwork(_Staged):
 
     def data_stage(self, indices: np.ndarray, late: np.ndarray, tensor: int = 0) -> list[UseResults]:
         job, n, k = self.job, self.job.workers, self.job.elems
-        chunks = _chunks(job, indices)
-        res = [UseResults(np.zeros((chunks, k), np.int64), np.zeros(chunks, np.int64), np.zeros(chunks, np.int64),
-                          np.ones(chunks, bool)) for _ in range(n)]
+        chunks = self._chunks(indices)
+        res = self._nothing_back(chunks)
         up, down = self.loss.up, self.loss.down
         for c in range(chunks):
             self._next_use()
@@ -240,7 +208,9 @@ def step_time(job: JobConfig, coords: int, rate_bps: float, *, tiers: bool) -> f
     if not tiers:
         busiest = job.workers * worker
     else:
-        leaves = job.leaves or (job.workers,)
+        if not job.tiered:
+            raise ValueError(f"job {job.job} has one tier: its two-tier step time needs leaves=")
+        leaves = job.leaves
         partial = [head + k * job.partial_bits(leaf) // 8 for leaf in range(len(leaves))]
         leaf = max(chunks * max(n * data + result, p + n * result) for n, p in zip(leaves, partial, strict=True))
         spine = chunks * max(sum(partial), len(leaves) * result)
