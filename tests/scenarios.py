@@ -408,29 +408,42 @@ TIER_SCENARIOS: list[dict] = [
 ]
 
 
-def tier_packet(send: dict, cfg) -> bytes:  # cfg: worker_lib.job.JobConfig (a two-tier job)
-    """The THC bytes of a two-tier scenario packet: the rules above for DATA and NORM, and a parent's
-    RESULT ("sums" at the job's result width), NORM_RESULT ("norm") or STRAGGLER (no payload)."""
+def scenario_packet(send: dict, jobs: dict) -> bytes:  # jobs: {job id: worker_lib.job.JobConfig}
+    """The THC bytes of a scenario packet, by the rules of this module's docstring: "raw" hex, or the
+    fields given (the rest defaulted from the packet's job, else the first job) and a payload of
+    "indices", "ints", "norm", a parent's "sums" (at the job's result width) or none (a notice);
+    "truncate" bytes cut off, "extra" zero bytes added. "from" (who sends it) is the runner's."""
     import numpy as np
 
     from worker_lib.wire import Header, PacketType, float_bits, pack_bits
 
-    fields = {k: v for k, v in send.items() if k not in ("from", "indices", "sums", "norm", "truncate")}
-    typ = PacketType[fields.pop("type")]
-    fields = {"job": cfg.job, "key": cfg.key, "table_id": cfg.table_id, **fields, "type": typ}
+    if "raw" in send:
+        return bytes.fromhex(send["raw"])
+    fields = {k: v for k, v in send.items() if k not in ("from", "indices", "ints", "norm", "sums", "truncate",
+                                                         "extra")}
+    typ = fields.pop("type")
+    fields["type"] = PacketType[typ] if isinstance(typ, str) else typ
+    cfg = jobs.get(fields.get("job", 1), next(iter(jobs.values())))
+    fields.setdefault("job", cfg.job)
+    fields.setdefault("key", cfg.key)
+    fields.setdefault("table_id", cfg.table_id)
     if "norm" in send:
-        payload = float_bits(send["norm"]).to_bytes(4, "big")
-        fields.update(elems=fields.get("elems", 1), width=fields.get("width", 32))
+        payload, elems, width = float_bits(send["norm"]).to_bytes(4, "big"), 1, 32
+    elif "ints" in send:
+        payload, elems, width = np.asarray(send["ints"], ">i4").tobytes(), len(send["ints"]), 32
     elif "sums" in send:
         payload = np.asarray(send["sums"], {8: ">u1", 16: ">u2"}[cfg.result_bits]).tobytes()
-        fields.update(elems=fields.get("elems", len(send["sums"])), width=fields.get("width", cfg.result_bits))
+        elems, width = len(send["sums"]), cfg.result_bits
     elif "indices" in send:
         payload = pack_bits(np.asarray(send["indices"]), cfg.bits).tobytes()
-        fields.update(elems=fields.get("elems", len(send["indices"])), width=fields.get("width", cfg.bits))
+        elems, width = len(send["indices"]), cfg.bits
     else:
-        payload = b""
+        payload, elems, width = b"", 0, 0
+    fields.setdefault("elems", elems)
+    fields.setdefault("width", width)
     pkt = Header(**fields).pack(payload)
-    return pkt[: len(pkt) - send.get("truncate", 0)]
+    pkt = pkt[: len(pkt) - send.get("truncate", 0)]
+    return pkt + bytes(send.get("extra", 0))
 
 
 def check_tier_answer(data: bytes, want: dict, where: str) -> None:

@@ -39,13 +39,13 @@ from aggregator.engine import Aggregator
 from aggregator.p4rt import SwitchRejected, ThcSwitch
 from aggregator.state import ReferenceAggregator
 from tests.p4_support import need_root, need_tools
-from tests.scenarios import A_B, JOB, SCENARIOS, A, B, C
+from tests.scenarios import A_B, JOB, SCENARIOS, A, B, C, scenario_packet
 from topologies.bmv2 import Bmv2Config, Bmv2Switch, CompiledProgram, compile_program
 from topologies.netns import PACKET_OUTGOING
 from topologies.nsstar import SERVICE_IP, SWITCH_MAC, Host, NsStar
 from topologies.worker import worker_indices, worker_norm
 from worker_lib.job import JobConfig, job_from_mapping
-from worker_lib.wire import Header, PacketType, bits_float, float_bits, pack_bits
+from worker_lib.wire import Header, PacketType, bits_float
 from worker_lib.wire.layout import THC_UDP_PORT, field_offsets
 from worker_lib.wire.protocol import Counter
 
@@ -153,34 +153,6 @@ def running_rig(program: CompiledProgram, work: Path, prefix: str) -> Iterator[R
 
 
 # ---- the scenario adapter ---------------------------------------------------------------------------
-def thc_bytes(send: dict, jobs: dict[int, JobConfig]) -> bytes:
-    """The THC UDP payload of a scenario packet (the rules of tests/scenarios.py's docstring)."""
-    if "raw" in send:
-        return bytes.fromhex(send["raw"])
-    fields = {k: v for k, v in send.items() if k not in ("indices", "ints", "norm", "truncate", "extra")}
-    typ = fields.pop("type")
-    fields["type"] = PacketType[typ] if isinstance(typ, str) else typ
-    cfg = jobs.get(fields.get("job", 1), next(iter(jobs.values())))
-    fields.setdefault("job", cfg.job)
-    fields.setdefault("key", cfg.key)
-    fields.setdefault("table_id", cfg.table_id)
-    if "norm" in send:
-        payload = float_bits(send["norm"]).to_bytes(4, "big")
-        fields.setdefault("elems", 1)
-        fields.setdefault("width", 32)
-    elif "ints" in send:
-        payload = np.asarray(send["ints"], ">i4").tobytes()
-        fields.setdefault("elems", len(send["ints"]))
-        fields.setdefault("width", 32)
-    else:
-        payload = pack_bits(np.asarray(send["indices"]), cfg.bits).tobytes()
-        fields.setdefault("elems", len(send["indices"]))
-        fields.setdefault("width", cfg.bits)
-    pkt = Header(**fields).pack(payload)
-    pkt = pkt[: len(pkt) - send.get("truncate", 0)]
-    return pkt + bytes(send.get("extra", 0))
-
-
 def frame_from(host: Host, payload: bytes) -> bytes:
     """Ethernet/IPv4/UDP from the host to the aggregator address, carrying ``payload``."""
     return bytes(Ether(src=host.mac, dst=SWITCH_MAC) / IP(src=host.ip, dst=SERVICE_IP)
@@ -245,7 +217,7 @@ def test_scenario(rig: Rig, scenario: dict) -> None:
     for n, step in enumerate(scenario["steps"]):
         where = f"{scenario['name']} step {n}"
         send = step["send"]
-        payload = thc_bytes(send, jobs)
+        payload = scenario_packet(send, jobs)
         port = send.get("worker", 0) if "raw" not in send and send.get("worker", 0) < PORTS else 0
         ref_out = ref.handle(payload)
         if ref.last_good.size:
@@ -385,7 +357,7 @@ def test_reconfiguring_a_job_resets_its_slots(rig: Rig) -> None:
 
     def send(worker: int, indices: list[int]) -> list[tuple[int, bytes]]:
         rig.drain()
-        payload = thc_bytes({"type": "DATA", "worker": worker, "slot": 0, "round": 0, "indices": indices}, jobs)
+        payload = scenario_packet({"type": "DATA", "worker": worker, "slot": 0, "round": 0, "indices": indices}, jobs)
         rig.send(worker, frame_from(hosts[worker], payload))
         return rig.collect(0)
 

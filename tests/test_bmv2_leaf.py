@@ -24,7 +24,7 @@ from scapy.packet import Raw
 from aggregator.p4rt import JobRefused, Uplink
 from aggregator.tiers import Dest, LeafAggregator, SpineAggregator
 from tests.p4_support import need_tools
-from tests.scenarios import JOB, TIER_SCENARIOS, check_tier_answer, tier_packet
+from tests.scenarios import JOB, TIER_SCENARIOS, check_tier_answer, scenario_packet
 from tests.test_bmv2_dataplane import Rig, frame_from, ipv4_checksum_ok, running_rig, unwrap
 from topologies.bmv2 import CompiledProgram, compile_program
 from topologies.nsstar import SERVICE_IP, SWITCH_MAC
@@ -219,7 +219,7 @@ def test_tier_scenario_on_the_bmv2_leaf(leaf_rig: Rig, scenario: dict) -> None:
     for n, step in enumerate(scenario["steps"]):
         where = f"{scenario['name']} step {n}"
         send = step["send"]
-        pkt = tier_packet(send, cfg)
+        pkt = scenario_packet(send, {cfg.job: cfg})
         from_parent = send.get("from") == "parent"
         learner.handle(pkt, from_parent=from_parent)
         if learner.last_valid is not None:

@@ -10,38 +10,10 @@ import pytest
 
 from aggregator.engine import Aggregator
 from aggregator.state import ReferenceAggregator
-from tests.scenarios import SCENARIOS
+from tests.scenarios import SCENARIOS, scenario_packet
 from worker_lib.job import job_from_mapping
-from worker_lib.wire import Header, PacketType, bits_float, float_bits, pack_bits
+from worker_lib.wire import Header, PacketType, bits_float, float_bits
 from worker_lib.wire.protocol import Counter
-
-
-def _build(send: dict, jobs: dict) -> bytes:
-    """The bytes of a scenario packet (the scenario gives fields and a payload description)."""
-    if "raw" in send:
-        return bytes.fromhex(send["raw"])
-    fields = {k: v for k, v in send.items() if k not in ("indices", "ints", "norm", "truncate", "extra")}
-    typ = fields.pop("type")
-    fields["type"] = PacketType[typ] if isinstance(typ, str) else typ
-    cfg = jobs[fields.get("job", 1)] if fields.get("job", 1) in jobs else next(iter(jobs.values()))
-    fields.setdefault("job", cfg.job)
-    fields.setdefault("key", cfg.key)
-    fields.setdefault("table_id", cfg.table_id)
-    if "norm" in send:
-        payload = float_bits(send["norm"]).to_bytes(4, "big")
-        fields.setdefault("elems", 1)
-        fields.setdefault("width", 32)
-    elif "ints" in send:
-        payload = np.asarray(send["ints"], ">i4").tobytes()
-        fields.setdefault("elems", len(send["ints"]))
-        fields.setdefault("width", 32)
-    else:
-        payload = pack_bits(np.asarray(send["indices"]), cfg.bits).tobytes()
-        fields.setdefault("elems", len(send["indices"]))
-        fields.setdefault("width", cfg.bits)
-    pkt = Header(**fields).pack(payload)
-    pkt = pkt[: len(pkt) - send.get("truncate", 0)]
-    return pkt + bytes(send.get("extra", 0))
 
 
 def _check(got: tuple[bool, bytes], want: dict, jobs: dict, where: str) -> None:
@@ -78,7 +50,7 @@ def test_scenario(scenario: dict, impl: str) -> None:
     jobs = {c.job: c for c in (job_from_mapping(dict(j)) for j in scenario["jobs"])}
     agg = IMPLEMENTATIONS[impl](jobs.values())
     for n, step in enumerate(scenario["steps"]):
-        got = agg.handle(_build(step["send"], jobs))
+        got = agg.handle(scenario_packet(step["send"], jobs))
         where = f"{scenario['name']} step {n}"
         assert len(got) == len(step["expect"]), f"{where}: {len(got)} packets out, expected {len(step['expect'])}"
         for g, w in zip(got, step["expect"], strict=True):

@@ -16,7 +16,7 @@ import pytest
 from aggregator.engine import Aggregator
 from aggregator.state import ReferenceAggregator
 from aggregator.tiers import Dest, LeafAggregator, SpineAggregator
-from tests.scenarios import TIER_SCENARIOS, check_tier_answer, tier_packet
+from tests.scenarios import TIER_SCENARIOS, check_tier_answer, scenario_packet
 from worker_lib.job import JobConfig, JobConfigError, job_from_mapping, parse_job_spec
 from worker_lib.wire import Header, PacketType, float_bits, pack_bits
 from worker_lib.wire.protocol import Counter, TierCounter
@@ -173,7 +173,8 @@ def test_tier_scenario_on_the_reference_leaf(scenario: dict) -> None:
     leaf = LeafAggregator(0, [cfg])
     for n, step in enumerate(scenario["steps"]):
         where = f"{scenario['name']} step {n}"
-        outs = leaf.handle(tier_packet(step["send"], cfg), from_parent=step["send"].get("from") == "parent")
+        send = step["send"]
+        outs = leaf.handle(scenario_packet(send, {cfg.job: cfg}), from_parent=send.get("from") == "parent")
         assert len(outs) == len(step["expect"]), f"{where}: {len(outs)} packets out"
         for (dest, data), want in zip(outs, step["expect"], strict=True):
             assert dest.name.lower() == want["to"], f"{where}: to {dest.name}"
