@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -226,9 +226,7 @@ class JobConfig:
         if self.leaves is None:
             raise ValueError(f"job {self.job} has one tier")
         n = self.leaves[leaf]
-        return JobConfig(job=self.job, key=self.key, workers=n, threshold=n, kind=self.kind, bits=self.bits,
-                         granularity=self.granularity, p=self.p, table=self.table, result_bits=self.result_bits,
-                         slots=self.slots, elems=self.elems, mtu=self.mtu)
+        return replace(self, workers=n, threshold=n, leaves=None)
 
     def result_counts(self, contributors: np.ndarray, bitmap: np.ndarray) -> np.ndarray:
         """Workers summed in results with these ``contributors`` and ``bitmap`` fields: the contributors

@@ -17,7 +17,7 @@ import ipaddress
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aggregator.switch.errors import JobRefused
 from worker_lib.job import JobConfig
@@ -270,9 +270,7 @@ def spine_view(cfg: JobConfig, geometry: ProgramGeometry) -> JobConfig:
                          f"{geometry.result_bits}-bit ones (compile it with --result-bits {max(widths)})")
     if cfg.workers > 255:
         raise JobRefused(f"{where}: {cfg.workers} workers; the BMv2 spine counts workers in 8 bits (at most 255)")
-    return JobConfig(job=cfg.job, key=cfg.key, workers=len(cfg.leaves), kind=cfg.kind, bits=cfg.bits,
-                     granularity=cfg.granularity, p=cfg.p, table=cfg.table, result_bits=cfg.result_bits,
-                     slots=cfg.slots, elems=cfg.elems, mtu=cfg.mtu)
+    return replace(cfg, workers=len(cfg.leaves), threshold=None, leaves=None)
 
 
 def leaf_size_entries(cfg: JobConfig) -> tuple[LogicalEntry, ...]:
