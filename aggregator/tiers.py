@@ -24,8 +24,8 @@ import numpy as np
 
 from aggregator.state import RESULT_TYPE, Bank, Job, ReferenceAggregator, check_addressing, norm_bits_ok
 from worker_lib.job import JobConfig, JobConfigError
-from worker_lib.wire.layout import HEADER_BYTES, VERSION, PacketType
-from worker_lib.wire.protocol import Counter, Header, TierCounter, serial_newer
+from worker_lib.wire.layout import HEADER_BYTES, ROUND_BITS, VERSION, PacketType
+from worker_lib.wire.protocol import Counter, Header, TierCounter
 from worker_lib.wire.serializer import decode_sums, encode_sums
 
 
@@ -91,6 +91,13 @@ class SpineAggregator(ReferenceAggregator):
     def _contributors(self, bank: Bank) -> int:
         return bank.bitmap.bit_count()  # leaves: a two-tier job's workers may not fit the 8-bit field
 
+    @staticmethod
+    def _straggler(hdr: Header, current: int) -> bytes:
+        """A STRAGGLER notice to a leaf: ``round`` = the slot's current round, ``bitmap`` = the round of the
+        refused partial (so that the leaf finds its FORWARDED bank)."""
+        return hdr.replace(type=PacketType.STRAGGLER, contributors=0, round=current, elems=0, width=0, flags=0,
+                           bitmap=hdr.round).pack()
+
 
 @dataclass
 class LeafBank(Bank):
@@ -141,15 +148,16 @@ class LeafAggregator(ReferenceAggregator):
         job = self.jobs[hdr.job]
         slot = job.slots[hdr.slot]
         if hdr.type == PacketType.STRAGGLER:
-            # A notice carries the spine's newer round, not the forwarded one: it is for the forwarded
-            # bank of its slot whose round is older than that.
-            waiting = [b for b in slot.banks if self._forwarded(b) and serial_newer(hdr.round, b.round)]
-            if not waiting:
+            # The spine refused the partial of round ``bitmap`` (its notice's own round is the spine's):
+            # that round's bank, if still FORWARDED, becomes UPSTREAM_STALE; the workers hear the spine's
+            # round in a one-tier notice (bitmap 0).
+            bank = slot.banks[hdr.bitmap % 2]
+            if not self._forwarded(bank) or bank.round != hdr.bitmap:
                 self.tier_counters[TierCounter.STALE_PARENT] += 1
                 return []
-            waiting[0].upstream_round = hdr.round
+            bank.upstream_round = hdr.round
             self._count(Counter.STRAGGLER)
-            return [(Dest.ALL, packet)]
+            return [(Dest.ALL, hdr.replace(bitmap=0).pack())]
         bank = slot.banks[hdr.round % 2]
         if not self._forwarded(bank) or bank.round != hdr.round or RESULT_TYPE[bank.kind] != hdr.type:
             self.tier_counters[TierCounter.STALE_PARENT] += 1
@@ -185,6 +193,8 @@ class LeafAggregator(ReferenceAggregator):
                   PacketType.NORM_RESULT: (1, 32, HEADER_BYTES + 4)}.get(hdr.type, (0, 0, HEADER_BYTES))
         if (hdr.elems, hdr.width, length) != expect:
             return Counter.BAD_FORMAT
+        if hdr.type == PacketType.STRAGGLER and hdr.bitmap >> ROUND_BITS:
+            return Counter.BAD_FORMAT  # a spine's notice names the refused partial's round in bitmap
         return None
 
     def _held(self, job: Job, bank: Bank, hdr: Header) -> list[TierOutput] | None:

@@ -374,20 +374,23 @@ TIER_SCENARIOS: list[dict] = [
     },
     {
         "name": "leaf_passes_a_spine_straggler_notice_down",
-        "doc": "The spine says round 0 of slot 3 is gone (its round is 3): both workers hear it, and a "
-               "worker's later packet for that round gets the spine's round back.",
+        "doc": "The spine says round 0 of slot 3 is gone (its round is 3; bitmap names the refused round 0): "
+               "both workers hear it in a one-tier notice, and a worker's later packet for that round gets "
+               "the spine's round back.",
         "job": TIER_JOB,
         "steps": [
             {"send": data(0, 3, 0, A), "expect": []},
             {"send": data(1, 3, 0, B), "expect": [partial(3, 0, A_B)]},
-            {"send": {"from": "parent", "type": "STRAGGLER", "slot": 3, "round": 3, "worker": 1},
+            {"send": {"from": "parent", "type": "STRAGGLER", "slot": 3, "round": 1, "worker": 1, "bitmap": 2},
+             "expect": []},  # names round 2, which this leaf never forwarded
+            {"send": {"from": "parent", "type": "STRAGGLER", "slot": 3, "round": 3, "worker": 1, "bitmap": 0},
              "expect": [{"to": "all", "type": "STRAGGLER", "slot": 3, "round": 3, "contributors": 0,
                          "bitmap": 0}]},
             {"send": data(1, 3, 0, B),
              "expect": [{"to": "sender", "type": "STRAGGLER", "slot": 3, "round": 3, "worker": 1}]},
         ],
         "counters": {"ACCEPTED": 2, "NEW_ROUND": 1, "STRAGGLER": 2},
-        "tier_counters": {"FORWARDED": 1},
+        "tier_counters": {"FORWARDED": 1, "STALE_PARENT": 1},
     },
     {
         "name": "leaf_checks_what_comes_from_the_parent",

@@ -183,9 +183,10 @@ def test_the_leaf_program_forwards_partials_and_passes_the_spine_answers_down(le
     for w in range(3):
         outs = ls.worker(w, data(w, 2, 0))
     [(_, p2)] = outs
-    notice = Header.parse(p2)[0].replace(type=PacketType.STRAGGLER, round=3, elems=0, width=0, contributors=0,
-                                         bitmap=0).pack()
-    assert ls.parent(notice) == [(Dest.ALL, notice)]
+    refused = Header.parse(p2)[0]  # the spine names the refused partial's round in bitmap
+    notice = refused.replace(type=PacketType.STRAGGLER, round=3, elems=0, width=0, contributors=0,
+                             bitmap=refused.round)
+    assert ls.parent(notice.pack()) == [(Dest.ALL, notice.replace(bitmap=0).pack())]
     [(_, again)] = ls.worker(0, data(0, 2, 0))
     assert Header.parse(again)[0].round == 3
 

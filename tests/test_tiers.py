@@ -154,15 +154,43 @@ def test_leaf_checks_what_comes_from_the_parent_and_from_elsewhere() -> None:
 def test_leaf_passes_a_spine_straggler_notice_down_and_answers_later_packets_with_it(spine_round: int) -> None:
     leaf = LeafAggregator(0, [JOB])
     [(_, partial)] = [o for w in (0, 1, 2) for o in leaf.handle(data(JOB, w))]
+    # the spine's notice: its round, and in bitmap the round of the partial it refuses (0)
     notice = Header.parse(partial)[0].replace(type=PacketType.STRAGGLER, round=spine_round, elems=0, width=0,
                                               contributors=0, bitmap=0).pack()
-    assert leaf.handle(notice, from_parent=True) == [(Dest.ALL, notice)]
+    [(dest, down)] = leaf.handle(notice, from_parent=True)
+    assert dest == Dest.ALL and down == notice  # bitmap 0 already: the one-tier notice
     [(dest, again)] = leaf.handle(data(JOB, 1))
     hdr = Header.parse(again)[0]
     assert dest == Dest.SENDER and (hdr.type, hdr.round, hdr.worker) == (PacketType.STRAGGLER, spine_round, 1)
     assert leaf.counters[Counter.STRAGGLER] == 2
     assert leaf.handle(notice, from_parent=True) == []  # the same notice again: nothing waits for it
     assert leaf.tier_counters[TierCounter.STALE_PARENT] == 1
+
+
+def test_a_spine_notice_is_for_the_bank_of_the_round_it_names() -> None:
+    """The notice names the refused partial's round in ``bitmap``: a notice naming another round (here the
+    other bank's, which is not FORWARDED) changes nothing; the workers get the notice with bitmap 0."""
+    leaf = LeafAggregator(0, [JOB])
+    [(_, p1)] = [o for w in (0, 1, 2) for o in leaf.handle(data(JOB, w, rnd=1))]
+    base = Header.parse(p1)[0].replace(type=PacketType.STRAGGLER, round=5, elems=0, width=0, contributors=0)
+    assert leaf.handle(base.replace(bitmap=0).pack(), from_parent=True) == []  # round 0 was never forwarded
+    assert leaf.handle(base.replace(bitmap=3).pack(), from_parent=True) == []  # round 3: same bank, not its round
+    assert leaf.tier_counters[TierCounter.STALE_PARENT] == 2
+    assert leaf.handle(base.replace(bitmap=1 << 16 | 1).pack(), from_parent=True) == []  # not a round
+    assert leaf.counters[Counter.BAD_FORMAT] == 1
+    [(dest, down)] = leaf.handle(base.replace(bitmap=1).pack(), from_parent=True)
+    assert dest == Dest.ALL and Header.parse(down)[0] == base.replace(bitmap=0)
+
+
+def test_the_spine_names_the_refused_partial_round_in_its_notice() -> None:
+    spine = SpineAggregator([JOB])
+    leaf = LeafAggregator(0, [JOB])
+    partials = [o for w in (0, 1, 2) for _, o in leaf.handle(data(JOB, w, rnd=1))]
+    newer = Header.parse(partials[0])[0].replace(round=3, worker=1, contributors=5, bitmap=0b11111)
+    spine.handle(newer.pack(bytes(JOB.elems * JOB.partial_bits(1) // 8)))  # leaf 1 moved the slot on to round 3
+    [(fanout, notice)] = spine.handle(partials[0])
+    hdr = Header.parse(notice)[0]
+    assert not fanout and (hdr.type, hdr.round, hdr.bitmap, hdr.worker) == (PacketType.STRAGGLER, 3, 1, 0)
 
 
 @pytest.mark.parametrize("scenario", TIER_SCENARIOS, ids=[s["name"] for s in TIER_SCENARIOS])

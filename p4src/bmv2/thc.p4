@@ -376,7 +376,7 @@ control ThcValidate(in thc_headers_t hdr, inout thc_metadata_t meta) {
                        && hdr.thc.width == 32 && ulen == UDP_HEADER_BYTES + THC_HEADER_BYTES + 4)) {
                 thc_stats.count(THC_CTR_BAD_FORMAT);
             } else if (hdr.thc.type_ == THC_TYPE_STRAGGLER && !(hdr.thc.elems == 0 && hdr.thc.width == 0
-                       && ulen == UDP_HEADER_BYTES + THC_HEADER_BYTES)) {
+                       && hdr.thc.bitmap[31:16] == 0 && ulen == UDP_HEADER_BYTES + THC_HEADER_BYTES)) {
                 thc_stats.count(THC_CTR_BAD_FORMAT);
 #endif
 #ifdef THC_SPINE
@@ -476,39 +476,24 @@ control ThcStateTable(in thc_headers_t hdr, inout thc_metadata_t meta) {
 #ifdef THC_LEAF
         if (meta.from_parent == 1) {
             // The parent's answer. A RESULT / NORM_RESULT is for the FORWARDED bank of its round and kind;
-            // a STRAGGLER carries the parent's newer round, so it is for the slot's FORWARDED bank whose
-            // round is older than that (bank 0 first).
+            // a STRAGGLER carries the spine's round, and in bitmap the round of the partial it refuses: it
+            // is for that round's bank, if still FORWARDED.
             if (hdr.thc.type_ == THC_TYPE_STRAGGLER) {
-                bit<32> b0 = g << 1;
-                bit<32> b1 = b0 | 1;
-                bit<32> gen0 = 0;
-                bit<32> gen1 = 0;
-                bit<16> r0 = 0;
-                bit<16> r1 = 0;
-                bit<8> f0 = 0;
-                bit<8> f1 = 0;
-                bit<8> c0 = 0;
-                bit<8> c1 = 0;
-                bit<8> u0 = 0;
-                bit<8> u1 = 0;
-                bank_gen.read(gen0, b0);
-                bank_gen.read(gen1, b1);
-                bank_round.read(r0, b0);
-                bank_round.read(r1, b1);
-                bank_forwarded.read(f0, b0);
-                bank_forwarded.read(f1, b1);
-                bank_complete.read(c0, b0);
-                bank_complete.read(c1, b1);
-                bank_upstream.read(u0, b0);
-                bank_upstream.read(u1, b1);
-                bit<16> d0 = hdr.thc.round - r0;
-                bit<16> d1 = hdr.thc.round - r1;
-                bool w0 = gen0 == meta.job_gen && f0 == 1 && c0 == 0 && u0 == 0 && d0 != 0 && d0[15:15] == 0;
-                bool w1 = gen1 == meta.job_gen && f1 == 1 && c1 == 0 && u1 == 0 && d1 != 0 && d1[15:15] == 0;
-                if (w0 || w1) {
-                    bit<32> found = w0 ? b0 : b1;
-                    bank_upstream.write(found, 1);
-                    bank_upstream_round.write(found, hdr.thc.round);
+                bit<16> refused = hdr.thc.bitmap[15:0];
+                bit<32> nb = (g << 1) | (bit<32>)refused[0:0];
+                bit<32> ngen = 0;
+                bit<16> nround = 0;
+                bit<8> nfwd = 0;
+                bit<8> ncomplete = 0;
+                bit<8> nup = 0;
+                bank_gen.read(ngen, nb);
+                bank_round.read(nround, nb);
+                bank_forwarded.read(nfwd, nb);
+                bank_complete.read(ncomplete, nb);
+                bank_upstream.read(nup, nb);
+                if (ngen == meta.job_gen && nfwd == 1 && ncomplete == 0 && nup == 0 && nround == refused) {
+                    bank_upstream.write(nb, 1);
+                    bank_upstream_round.write(nb, hdr.thc.round);
                     thc_stats.count(THC_CTR_STRAGGLER);
                     meta.emit = EMIT_MULTICAST;
                 } else {
@@ -721,7 +706,11 @@ control ThcReply(inout thc_headers_t hdr, inout thc_metadata_t meta,
                 hdr.ethernet.dstAddr = meta.parent_mac;
                 standard_metadata.egress_spec = meta.parent_out;
             } else {
-                // The parent's answer, unchanged, to every local worker.
+                // The parent's answer to every local worker, unchanged but for a notice's bitmap (the
+                // refused round: the workers get a one-tier notice).
+                if (hdr.thc.type_ == THC_TYPE_STRAGGLER) {
+                    hdr.thc.bitmap = 0;
+                }
                 meta.fanout = 1;
                 standard_metadata.mcast_grp = meta.job_mcast_grp;
             }
@@ -734,12 +723,17 @@ control ThcReply(inout thc_headers_t hdr, inout thc_metadata_t meta,
 #endif
         hdr.thc.flags = 0;
         if (meta.emit == EMIT_STRAGGLER) {
+#ifdef THC_SPINE
+            hdr.thc.bitmap = 16w0 ++ hdr.thc.round;  // to a leaf: the round of the partial it refuses
+#endif
             hdr.thc.type_ = THC_TYPE_STRAGGLER;
             hdr.thc.contributors = 0;
             hdr.thc.round = meta.slot_round;
             hdr.thc.elems = 0;
             hdr.thc.width = 0;
+#ifndef THC_SPINE
             hdr.thc.bitmap = 0;
+#endif
             hdr.data.setInvalid();
             hdr.norm.setInvalid();
             hdr.result.setInvalid();

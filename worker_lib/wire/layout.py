@@ -84,7 +84,8 @@ FIELDS: tuple[Field, ...] = (
     Field("width", 8, "bits per payload element: b for THC DATA, 32 for uncompressed DATA and norms, "
                       "the result width for RESULT, 0 for STRAGGLER"),
     Field("flags", 8, "reserved, 0"),
-    Field("bitmap", 32, "results: bit w set if worker w contributed; 0 in requests"),
+    Field("bitmap", 32, "results: bit w set if worker w contributed; 0 in requests; in a spine's STRAGGLER "
+                        "to a leaf, the round of the partial it refuses"),
 )
 
 HEADER_BYTES = sum(f.bits for f in FIELDS) // 8
