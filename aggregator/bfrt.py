@@ -13,6 +13,11 @@ of the routes), register reset (every register of the program, so jobs start FRE
 routes, per job its lookup entries, its PRE nodes (one per worker: rid = job_index * 32 + worker) and
 multicast group, and last its ``thc_jobs`` entry, then ``bfrt.complete_operations()``.
 
+A plan with an ``uplink`` is for the leaf program of two-tier jobs (``python -m p4gen.tofino --leaf``):
+each job is installed as its leaf's one-tier job (``JobConfig.leaf``) with the same checks as BMv2's
+``configure_leaf``, and the script also sets ``thc_uplink``'s default action and resets the leaf's
+register.
+
 Nothing here was run against a Tofino switch or the SDE's model (neither is available where this was
 written); docs/tofino.md says what a real switch must still confirm.
 
@@ -33,20 +38,24 @@ from types import MappingProxyType
 from aggregator.switch.entries import (
     InstalledJob,
     JobEntries,
+    JobRefused,
     LogicalEntry,
     MulticastGroup,
     Placement,
     ProgramGeometry,
+    Uplink,
+    check_leaf_job,
     job_entries,
     new_generation,
     place_job,
     route_entry,
     service_entry,
+    uplink_entry,
 )
 from aggregator.switch.errors import SwitchError
 from p4gen.tofino import TofinoGeometry
 from worker_lib.job import JobConfig
-from worker_lib.wire.protocol import Counter
+from worker_lib.wire.protocol import Counter, TierCounter
 
 
 def tofino_geometry(g: TofinoGeometry) -> ProgramGeometry:
@@ -65,6 +74,7 @@ INGRESS_REGISTERS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "slot_state": ("f1",), "bank_tag": ("f1",), "bank_seen": ("f1",), "bank_count": ("f1",),
     "bank_norm": ("f1",), "bank_result_bitmap": ("f1",),
 })
+LEAF_INGRESS_REGISTERS: Mapping[str, tuple[str, ...]] = MappingProxyType({"bank_upstream": ("f1",)})
 EGRESS_REGISTERS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "worker_ip": ("f1",), "worker_port_mac_hi": ("f1",), "worker_mac_lo": ("f1",),
 })
@@ -92,6 +102,7 @@ class TofinoProgram:
     ingress: str = "ThcIngress"
     egress: str = "ThcEgress"
     geometry: ProgramGeometry = DEFAULT_TOFINO_GEOMETRY
+    leaf: bool = False  #: the leaf program of two-tier jobs (p4gen.tofino --leaf)
 
 
 @dataclass(frozen=True)
@@ -113,13 +124,29 @@ class TofinoJob:
 
 @dataclass(frozen=True)
 class TofinoPlan:
-    """What one load script installs: jobs, aggregator addresses (ip, mac), routes (prefix, mac, port)."""
+    """What one load script installs: jobs, aggregator addresses (ip, mac), routes (prefix, mac, port);
+    for the leaf program, the uplink to the parent (then every job is a two-tier job and its ports are
+    this leaf's workers', in local order)."""
 
     jobs: tuple[TofinoJob, ...] = ()
     services: tuple[tuple[str, str], ...] = ()
     routes: tuple[tuple[str, str, int], ...] = ()
     program: TofinoProgram = field(default_factory=TofinoProgram)
     port_config: PortConfig = field(default_factory=PortConfig)
+    uplink: Uplink | None = None
+
+    def served(self, cfg: JobConfig) -> JobConfig:
+        """The one-tier job the program runs for ``cfg``: itself, or at a leaf its leaf's job. Raises
+        JobRefused where the program cannot serve it."""
+        if self.uplink is None:
+            if self.program.leaf or cfg.tiered:
+                raise JobRefused(f"job {cfg.job}: the leaf program serves two-tier jobs with an uplink "
+                                 "(--leaf, --upstream, --upstream-mac, --upstream-port), and only it")
+            return cfg
+        if not self.program.leaf:
+            raise JobRefused(f"job {cfg.job}: an uplink needs the leaf program (python -m p4gen.tofino --leaf)")
+        check_leaf_job(cfg, self.program.geometry, self.uplink)
+        return cfg.leaf(self.uplink.leaf)
 
 
 def place_jobs(plan: TofinoPlan, generation: int | None = None) -> list[tuple[TofinoJob, Placement]]:
@@ -130,8 +157,8 @@ def place_jobs(plan: TofinoPlan, generation: int | None = None) -> list[tuple[To
     out = []
     gen = generation if generation is not None else new_generation([])
     for tj in plan.jobs:
-        place = place_job(tj.config, plan.program.geometry, installed, gen)
-        cfg = tj.config
+        cfg = plan.served(tj.config)
+        place = place_job(cfg, plan.program.geometry, installed, gen)
         installed.append(InstalledJob(cfg.job, cfg.key, cfg.table_id, cfg.workers, cfg.threshold, cfg.slots,
                                       place))
         out.append((tj, place))
@@ -151,7 +178,11 @@ def _key_bits(prog: TofinoProgram, name: str) -> int:
 
 def bfrt_table_call(prog: TofinoProgram, entry: LogicalEntry) -> str:
     """One ``add_with_<action>`` call of bfrt_python for a logical entry of the ingress (the table by its
-    path below the ingress, ``lookup_3.lookup``; the action by its own name, ``value``)."""
+    path below the ingress, ``lookup_3.lookup``; the action by its own name, ``value``); a keyless table's
+    entry is its default action (``set_default_with_<action>``)."""
+    if not entry.match:
+        params = ", ".join(f"{name}={value:#x}" for name, value in entry.params)
+        return f"ing.{entry.table}.set_default_with_{entry.action.rsplit('.', 1)[-1]}({params})"
     args = []
     ternary = entry.table.endswith(TERNARY_TABLE_SUFFIX)
     for m in entry.match:
@@ -184,9 +215,10 @@ def bfrt_group_calls(group: MulticastGroup, node_base: int) -> list[str]:
     return out
 
 
-def _register_reset() -> list[str]:
+def _register_reset(prog: TofinoProgram) -> list[str]:
     out = []
-    for ctl, regs in (("ing", INGRESS_REGISTERS), ("egr", EGRESS_REGISTERS)):
+    ingress = {**INGRESS_REGISTERS, **(LEAF_INGRESS_REGISTERS if prog.leaf else {})}
+    for ctl, regs in (("ing", ingress), ("egr", EGRESS_REGISTERS)):
         for name in regs:
             out.append(f"{ctl}.{name}.clear()")
     return out
@@ -194,7 +226,7 @@ def _register_reset() -> list[str]:
 
 def plan_entries(plan: TofinoPlan, generation: int | None = None) -> list[tuple[TofinoJob, Placement, JobEntries]]:
     """The logical entries of every job of the plan (the same function as BMv2's ``job_updates`` uses)."""
-    return [(tj, place, job_entries(tj.config, plan.program.geometry, tuple(tj.ports), place, "tofino"))
+    return [(tj, place, job_entries(plan.served(tj.config), plan.program.geometry, tuple(tj.ports), place, "tofino"))
             for tj, place in place_jobs(plan, generation)]
 
 
@@ -206,12 +238,15 @@ def bfrt_load_script(plan: TofinoPlan, generation: int | None = None) -> str:
     jobs = plan_entries(plan, generation)
     services = [service_entry(ip, mac) for ip, mac in plan.services]
     routes = [route_entry(prefix, mac, int(port)) for prefix, mac, port in plan.routes]
-    ports = sorted({p for tj, _, _ in jobs for p in tj.ports} | {int(r[2]) for r in plan.routes})
+    ports = sorted({p for tj, _, _ in jobs for p in tj.ports} | {int(r[2]) for r in plan.routes}
+                   | ({plan.uplink.out_port} if plan.uplink else set()))
     pc = plan.port_config
     lines = [
         "# bfrt_python script written by thc-switch (aggregator/bfrt.py). Run on the switch with",
         "#   $SDE/run_bfshell.sh -b <this file>",
-        "# after starting bf_switchd with the compiled p4src/tofino/thc.p4. Do not edit: regenerate it.",
+        "# after starting bf_switchd with the compiled "
+        + ("leaf program (python -m p4gen.tofino --leaf)." if prog.leaf else "p4src/tofino/thc.p4.")
+        + " Do not edit: regenerate it.",
         f"p4 = bfrt.{prog.name}.{prog.pipe}",
         f"ing = p4.{prog.ingress}",
         f"egr = p4.{prog.egress}",
@@ -221,11 +256,15 @@ def bfrt_load_script(plan: TofinoPlan, generation: int | None = None) -> str:
           "PORT_ENABLE=True)" for p in ports],
         "",
         "# registers: every slot, bank and learnt address starts empty",
-        *_register_reset(),
+        *_register_reset(prog),
         "",
         "# aggregator addresses and routes",
         *[bfrt_table_call(prog, e) for e in services + routes],
     ]
+    if plan.uplink is not None:
+        up = plan.uplink
+        lines += ["", f"# the parent of leaf {up.leaf} of {up.leaves}: {up.ip}:{up.port} via port {up.out_port}",
+                  bfrt_table_call(prog, uplink_entry(up))]
     for tj, place, ent in jobs:
         lines += ["", f"# job {tj.config.job}: row {place.job_index}, slots {place.slot_base}.."
                   f"{place.slot_base + tj.config.slots - 1}, group {place.mcast_grp}, ports {list(tj.ports)}"]
@@ -237,8 +276,11 @@ def bfrt_load_script(plan: TofinoPlan, generation: int | None = None) -> str:
 
 
 def bfrt_stats_script(prog: TofinoProgram | None = None) -> str:
-    """A bfrt_python script that prints the program's counters as one line ``THC_STATS {json}``."""
+    """A bfrt_python script that prints the program's counters as one line ``THC_STATS {json}`` (a
+    leaf's, ``prog.leaf``, with its tier counters)."""
     prog = prog or TofinoProgram()
+    tier = [f"raw['thc_tier_stats'] = _cells(ing.thc_tier_stats, {len(TierCounter)})",
+            "raw['thc_forwarded'] = _cells(ing.thc_forwarded, 1)"] if prog.leaf else []
     return "\n".join([
         "# bfrt_python script written by thc-switch: read the THC counters.",
         "import json",
@@ -251,6 +293,7 @@ def bfrt_stats_script(prog: TofinoProgram | None = None) -> str:
         "    return out",
         f"raw = {{'thc_stats': _cells(ing.thc_stats, {len(Counter)}), 'thc_rx': _cells(ing.thc_rx, 1),",
         "       'thc_accepted': _cells(ing.thc_accepted, 2), 'thc_completed': _cells(ing.thc_completed, 1)}",
+        *tier,
         f"print('{STATS_MARK}' + json.dumps(raw))",
         "",
     ])
@@ -261,7 +304,8 @@ def stats_from_raw(raw: dict[str, list[int]], elems: int) -> dict[str, int]:
 
     Why a mapping: a Tofino counter is counted at most once per pass, so RX, ACCEPTED (thc_accepted: [0]
     NORM, [1] DATA), ELEMENTS (DATA packets accepted times K) and COMPLETED have their own counters and
-    thc_stats holds the other outcomes at Counter's indices."""
+    thc_stats holds the other outcomes at Counter's indices. A leaf's read-back adds its TierCounter names:
+    FORWARDED (thc_forwarded, pass 2) and the others at thc_tier_stats' indices."""
     try:
         stats = list(raw["thc_stats"])
         out = {c.name: int(stats[c.value]) if c.value < len(stats) else 0 for c in Counter}
@@ -269,6 +313,10 @@ def stats_from_raw(raw: dict[str, list[int]], elems: int) -> dict[str, int]:
         out["ACCEPTED"] = int(raw["thc_accepted"][0]) + int(raw["thc_accepted"][1])
         out["ELEMENTS"] = int(raw["thc_accepted"][1]) * elems
         out["COMPLETED"] = int(raw["thc_completed"][0])
+        if "thc_tier_stats" in raw:
+            tier = list(raw["thc_tier_stats"])
+            out |= {c.name: int(tier[c.value]) for c in TierCounter}
+            out["FORWARDED"] = int(raw["thc_forwarded"][0])
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise SwitchError(f"unexpected counter read-back from the switch: {exc!r}") from None
     return out

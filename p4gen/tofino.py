@@ -17,6 +17,10 @@ checks that it is what this script writes now. p4src/tofino/README.md explains t
     python -m p4gen.tofino --target tofino2 --elems 96 --output /tmp/t2/thc.p4
     python -m p4gen.tofino --elems 16 --result-bits 16 --output /tmp/thc16.p4
     python -m p4gen.tofino --check                          # exit 1 if thc.p4 is out of date
+    python -m p4gen.tofino --leaf --elems 32 --output /tmp/leaf/thc.p4   # the leaf of two-tier jobs
+
+``--leaf`` renders the leaf of two-tier jobs (docs/protocol.md, "Two tiers"): the same template with
+THC_LEAF defined and the validation rows of the parent's packets in front of the workers'.
 """
 
 from __future__ import annotations
@@ -177,7 +181,21 @@ VALIDATE_KEYS = (  # (name used in patterns, P4 key expression)
     ("data_valid", "hdr.data.isValid()"), ("norm_valid", "hdr.norm.isValid()"), ("elems", "hdr.thc.elems"),
     ("width", "hdr.thc.width"), ("udp_length", "hdr.udp.length"), ("norm_sign_exp", "hdr.norm.value[31:23]"),
 )
+# A leaf's keys besides (its parent: address and port, the leaf index bound, and a RESULT's payload and a
+# notice's bitmap, whose top half must be 0).
+LEAF_VALIDATE_KEYS = (
+    ("uplink_hit", "meta.lf.uplink_hit"), ("parent_ip_diff", "meta.lf.parent_ip_diff"),
+    ("parent_port_diff", "meta.lf.parent_port_diff"), ("leaves_left", "meta.lf.leaves_left"),
+    ("result_valid", "hdr.result.isValid()"), ("bitmap_hi", "hdr.thc.bitmap[31:16]"),
+)
 Pattern = dict  # key name -> (value, mask); a bool key -> True/False
+#: A packet from the leaf's parent: the uplink is configured and the source address and port are its.
+FROM_PARENT: Pattern = {"uplink_hit": (1, 0xFF), "parent_ip_diff": (0, 0xFFFFFFFF), "parent_port_diff": (0, 0xFFFF)}
+
+
+def validate_keys(leaf: bool = False) -> tuple[tuple[str, str], ...]:
+    """The validate table's keys (name in patterns, P4 expression): a leaf's add LEAF_VALIDATE_KEYS."""
+    return VALIDATE_KEYS + (LEAF_VALIDATE_KEYS if leaf else ())
 
 
 @dataclass(frozen=True)
@@ -193,12 +211,19 @@ class Check:
 
 
 class TcamRow(NamedTuple):
-    """One entry of the validate table: its pattern, the counter it rejects with (None: valid), and the
-    comment that says which check it encodes."""
+    """One entry of the validate table: its pattern, the counter it rejects with (None: valid), the
+    comment that says which check it encodes, and the action of a valid packet (a leaf's parent's:
+    validated_parent)."""
 
     pattern: Pattern
     counter: str | None
     note: str
+    valid: str = "validated"
+
+    @property
+    def action(self) -> str:
+        """The P4 action call of this entry."""
+        return f"{self.valid}()" if self.counter is None else f"reject({self.counter})"
 
 
 def validation_checks(g: TofinoGeometry) -> tuple[Check, ...]:
@@ -227,6 +252,45 @@ def validation_checks(g: TofinoGeometry) -> tuple[Check, ...]:
               fail=({"type": (norm_t, 0xFF), "norm_sign_exp": (0x100, 0x100)},
                     {"type": (norm_t, 0xFF), "norm_sign_exp": (0xFF, 0xFF)})),
     )
+
+
+def parent_checks(g: TofinoGeometry) -> tuple[Check, ...]:
+    """The checks of a packet from a leaf's parent (docs/protocol.md, "Leaf state table"), in order."""
+    full16 = 0xFFFF
+    result_t, norm_result_t, notice_t = int(PacketType.RESULT), int(PacketType.NORM_RESULT), int(PacketType.STRAGGLER)
+    assert (norm_result_t, notice_t) == (4, 5), "the type check below takes NORM_RESULT and STRAGGLER as 4 and 5"
+    udp_thc = 8 + HEADER_BYTES
+    result = {"type": (result_t, 0xFF), "result_valid": True, "elems": (g.elems, full16),
+              "width": (g.result_bits, 0xFF), "udp_length": (udp_thc + g.elems * g.result_bits // 8, full16)}
+    norm = {"type": (norm_result_t, 0xFF), "norm_valid": True, "elems": (1, full16), "width": (32, 0xFF),
+            "udp_length": (udp_thc + 4, full16)}
+    notice = {"type": (notice_t, 0xFF), "elems": (0, full16), "width": (0, 0xFF), "bitmap_hi": (0, full16),
+              "udp_length": (udp_thc, full16)}
+    local = validation_checks(g)
+    return (
+        *local[:3],  # the header is there, its version
+        Check("THC_CTR_BAD_TYPE", "from the parent, type is neither RESULT, NORM_RESULT nor STRAGGLER",
+              passes=({"type": (result_t, 0xFF)}, {"type": (norm_result_t, 0xFE)}),
+              labels=("RESULT", "NORM_RESULT or STRAGGLER")),
+        *local[4:7],  # job, key, table
+        Check("THC_CTR_BAD_WORKER", "from the parent, leaf index >= the job's leaves",
+              fail=({"leaves_left": (0, 0xFF)},)),
+        local[8],  # slot
+        Check("THC_CTR_BAD_FORMAT", "from the parent, elems, width or UDP length not those of the job's "
+                                    "RESULT, of a NORM_RESULT or of a STRAGGLER naming a round",
+              passes=(result, norm, notice), labels=("RESULT", "NORM_RESULT", "STRAGGLER")),
+    )
+
+
+def leaf_validation_entries(g: TofinoGeometry) -> list[TcamRow]:
+    """A leaf's validate entries: the parent's checks on packets from the parent (valid ones go to
+    validated_parent), then every other packet through the workers' checks."""
+    parent = []
+    for row in validation_entries(parent_checks(g)):
+        merged = _conjoin(FROM_PARENT, row.pattern)
+        assert merged is not None
+        parent.append(TcamRow(merged, row.counter, row.note, valid="validated_parent"))
+    return parent + validation_entries(validation_checks(g))
 
 
 def validation_entries(checks: tuple[Check, ...]) -> list[TcamRow]:
@@ -266,43 +330,46 @@ def _conjoin(a: Pattern, b: Pattern) -> Pattern | None:
     return out
 
 
-def _validate_entries(g: TofinoGeometry) -> str:
+def table_entries(g: TofinoGeometry, leaf: bool = False) -> list[TcamRow]:
+    """The validate table's entries of the program (one tier's, or a leaf's)."""
+    return leaf_validation_entries(g) if leaf else validation_entries(validation_checks(g))
+
+
+def _validate_entries(rows: list[TcamRow], keys: tuple[tuple[str, str], ...]) -> str:
     lines = []
-    for pat, counter, note in validation_entries(validation_checks(g)):
-        lines.append(f"// {note}")
+    for row in rows:
+        lines.append(f"// {row.note}")
         cells = []
-        for name, _ in VALIDATE_KEYS:
-            v = pat.get(name)
+        for name, _ in keys:
+            v = row.pattern.get(name)
             if v is None:
                 cells.append("_")
             elif isinstance(v, bool):
                 cells.append("true" if v else "false")
             else:
                 cells.append(f"{v[0]:#x} &&& {v[1]:#x}")
-        action = "validated()" if counter is None else f"reject({counter})"
-        lines.append(f"({', '.join(cells)}) : {action};")
+        lines.append(f"({', '.join(cells)}) : {row.action};")
     return "\n".join(lines)
 
 
-def _validate_keys() -> str:
-    return "\n".join(f"{expr}: ternary;" for _, expr in VALIDATE_KEYS)
-
-
-def render(geometry: TofinoGeometry | None = None, template: str | None = None) -> str:
-    """The program text for ``geometry`` (defaults: ``TofinoGeometry()``)."""
+def render(geometry: TofinoGeometry | None = None, template: str | None = None, *, leaf: bool = False) -> str:
+    """The program text for ``geometry`` (defaults: ``TofinoGeometry()``); ``leaf``: the leaf of two-tier
+    jobs (THC_LEAF defined, the parent's validation rows)."""
     g = geometry or TofinoGeometry()
     text = TEMPLATE.read_text() if template is None else template
+    keys, rows = validate_keys(leaf), table_entries(g, leaf)
     parts = {"@ARCH_INCLUDE@": f"#include <{TARGETS[g.target][0]}>", "@CONFIG@": _config(g),
              "@PAYLOAD_HEADERS@": _payload_headers(g), "@ELEMENT_INSTANCES@": _instances(g),
              "@ELEMENT_APPLY@": _applies(g),
-             "@WORKER_BIT_ENTRIES@": _worker_bit_entries(), "@VALIDATE_KEYS@": _validate_keys(),
-             "@VALIDATE_ENTRIES@": _validate_entries(g),
-             "@VALIDATE_SIZE@": f"size = {len(validation_entries(validation_checks(g)))};"}
+             "@WORKER_BIT_ENTRIES@": _worker_bit_entries(),
+             "@VALIDATE_KEYS@": "\n".join(f"{expr}: ternary;" for _, expr in keys),
+             "@VALIDATE_ENTRIES@": _validate_entries(rows, keys), "@VALIDATE_SIZE@": f"size = {len(rows)};"}
     text = fill_markers(text, parts)
-    header = (f"// GENERATED by p4gen/tofino.py from p4src/tofino/thc.p4.in for {g.target}, K={g.elems}, b={g.bits}, "
-              f"result_bits={g.result_bits}, slots={g.slots}, jobs={g.jobs}, recirc_port={g.recirc_port}. "
+    role = ", leaf of two-tier jobs" if leaf else ""
+    header = (f"// GENERATED by p4gen/tofino.py from p4src/tofino/thc.p4.in for {g.target}{role}, K={g.elems}, "
+              f"b={g.bits}, result_bits={g.result_bits}, slots={g.slots}, jobs={g.jobs}, recirc_port={g.recirc_port}. "
               "Do not edit.\n")
-    return header + text
+    return header + ("#define THC_LEAF\n" if leaf else "") + text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,13 +385,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="recirculation port of the workers' pipe (default: 68 on tofino, 6 on tofino2; pipe 0)")
     ap.add_argument("--output", type=Path, default=OUTPUT, help=f"where to write (default {OUTPUT})")
     ap.add_argument("--check", action="store_true", help="exit 1 if --output differs from the rendering")
+    ap.add_argument("--leaf", action="store_true",
+                    help="render the leaf of two-tier jobs (write it with --output; docs/tofino.md)")
     args = ap.parse_args(argv)
     try:
         g = TofinoGeometry(args.elems, args.bits, args.result_bits, args.slots, args.jobs, args.recirc_port,
                            args.target)
     except ValueError as exc:
         ap.error(str(exc))
-    return write_or_check(render(g), args.output, check=args.check, script="p4gen/tofino.py")
+    if args.leaf and args.output == OUTPUT:
+        ap.error(f"--leaf needs --output: {OUTPUT} is the one-tier program")
+    return write_or_check(render(g, leaf=args.leaf), args.output, check=args.check, script="p4gen/tofino.py")
 
 
 if __name__ == "__main__":

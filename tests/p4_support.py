@@ -55,3 +55,28 @@ def compile_bmv2(program: Path, outdir: Path, timeout: float = 240.0) -> tuple[P
     except RuntimeError as exc:
         pytest.fail(str(exc))
     return out.json, out.p4info, out.compiler_output
+
+
+def preprocess(text: str, defined: set[str]) -> str:
+    """The lines the C preprocessor keeps of ``text`` under #ifdef / #ifndef / #else / #endif, with the
+    macros ``defined`` (and those the text #defines); the directives themselves are dropped."""
+    keep: list[bool] = []
+    defined = set(defined)
+    out = []
+    for line in text.splitlines():
+        words = line.split()
+        directive = words[0] if words and words[0].startswith("#") else ""
+        if directive in ("#if", "#elif"):
+            raise ValueError(f"preprocess() takes #ifdef and #ifndef only: {line}")
+        if directive in ("#ifdef", "#ifndef"):
+            keep.append((words[1] in defined) == (directive == "#ifdef"))
+        elif directive == "#else":
+            keep[-1] = not keep[-1]
+        elif directive == "#endif":
+            keep.pop()
+        elif all(keep):
+            if directive == "#define":
+                defined.add(words[1])
+            out.append(line)
+    assert not keep, "unbalanced #ifdef"
+    return "\n".join(out)

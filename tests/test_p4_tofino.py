@@ -27,7 +27,7 @@ from aggregator.bfrt import (
     bfrt_load_script,
     tofino_geometry,
 )
-from tests.p4_support import INCLUDE_DIR, P4_DIR
+from tests.p4_support import INCLUDE_DIR, P4_DIR, preprocess
 from tests.test_p4_headers import parse_consts
 from worker_lib.job import JobConfig
 from worker_lib.wire.layout import MAX_WORKERS
@@ -248,11 +248,15 @@ def _reference_check(f: dict, k: int, b: int) -> str | None:
     return None
 
 
-def _tcam_first_match(entries: list, f: dict) -> str | None:
-    for pattern, counter, _note in entries:
-        if all(f[key] == v if isinstance(v, bool) else f[key] & v[1] == v[0] & v[1] for key, v in pattern.items()):
-            return counter
+def _tcam_first_row(entries: list, f: dict) -> gen.TcamRow:
+    for row in entries:
+        if all(f[key] == v if isinstance(v, bool) else f[key] & v[1] == v[0] & v[1] for key, v in row.pattern.items()):
+            return row
     raise AssertionError(f"no entry matches {f}")
+
+
+def _tcam_first_match(entries: list, f: dict) -> str | None:
+    return _tcam_first_row(entries, f).counter
 
 
 @pytest.mark.parametrize(("elems", "bits"), [(24, 4), (8, 2)])
@@ -286,6 +290,93 @@ def test_validation_table_is_the_protocols_check_order(elems: int, bits: int) ->
     rows = re.findall(r"^\s*// (.*)\n\s*\(.*\) : (reject\((\w+)\)|validated\(\));", table[:table.index("size =")], re.M)
     assert [(note, counter or None) for note, _, counter in rows] == [(r.note, r.counter) for r in entries]
     assert rows[-1][0] == "no THC header parsed" or rows[-1][0].startswith("UDP payload shorter")
+
+
+def _reference_parent_check(f: dict, k: int, rbits: int) -> str | None:
+    """docs/protocol.md's checks of a packet from a leaf's parent, in order, written out plainly."""
+    if not f["thc_valid"] or f["udp_short"] != 0:
+        return "THC_CTR_SHORT"
+    if f["version"] != 1:
+        return "THC_CTR_BAD_VERSION"
+    if f["type"] not in (2, 4, 5):
+        return "THC_CTR_BAD_TYPE"
+    if f["job_hit"] == 0:
+        return "THC_CTR_UNKNOWN_JOB"
+    if f["key_diff"] != 0:
+        return "THC_CTR_BAD_KEY"
+    if f["table_diff"] != 0:
+        return "THC_CTR_BAD_TABLE"
+    if f["leaves_left"] == 0:
+        return "THC_CTR_BAD_WORKER"
+    if f["slots_left"] == 0:
+        return "THC_CTR_BAD_SLOT"
+    result_ok = f["result_valid"] and f["elems"] == k and f["width"] == rbits and f["udp_length"] == 40 + k * rbits // 8
+    norm_ok = f["norm_valid"] and f["elems"] == 1 and f["width"] == 32 and f["udp_length"] == 44
+    notice_ok = f["elems"] == 0 and f["width"] == 0 and f["bitmap_hi"] == 0 and f["udp_length"] == 40
+    if not {2: result_ok, 4: norm_ok, 5: notice_ok}[f["type"]]:
+        return "THC_CTR_BAD_FORMAT"
+    return None
+
+
+def test_leaf_validation_table_checks_the_parents_packets_and_the_workers() -> None:
+    """The leaf's validate table: a packet from the parent (uplink configured, its source address and port)
+    meets the parent's checks in the protocol's order and, valid, validated_parent(); any other packet the
+    workers' checks and validated(). 30000 random header values around every check's boundary, against
+    both checks written out plainly."""
+    k, bits, rbits = 24, 4, 8
+    g = gen.TofinoGeometry(elems=k, bits=bits, result_bits=rbits)
+    entries = gen.table_entries(g, leaf=True)
+    assert {name for row in entries for name in row.pattern} <= {name for name, _ in gen.validate_keys(leaf=True)}
+    rng = random.Random(11)
+    choices = {
+        "thc_valid": ([True], [False]), "udp_short": ([0], [1]), "version": ([1], [0, 2]),
+        "type": ([1, 3, 2, 4, 5], [0, 6, 8, 9]), "job_hit": ([1], [0]), "key_diff": ([0], [1 << 31]),
+        "table_diff": ([0], [4]), "workers_left": ([3, 1], [0]), "slots_left": ([9], [0]),
+        "data_valid": ([True], [False]), "norm_valid": ([True], [False]), "elems": ([k, 1, 0], [k + 8]),
+        "width": ([bits, 32, rbits, 0], [16]), "udp_length": ([40 + k * bits // 8, 44, 40 + k * rbits // 8, 40], [0]),
+        "norm_sign_exp": ([0x7F], [0x100, 0xFF]), "uplink_hit": ([1], [0]), "parent_ip_diff": ([0], [1, 1 << 31]),
+        "parent_port_diff": ([0], [0x8000]), "leaves_left": ([1, 5], [0]), "result_valid": ([True], [False]),
+        "bitmap_hi": ([0], [1, 0x8000]),
+    }
+    seen = set()
+    for _ in range(30000):
+        f = {name: rng.choice(bad if rng.random() < 1 / 8 else good) for name, (good, bad) in choices.items()}
+        parent = f["uplink_hit"] == 1 and f["parent_ip_diff"] == 0 and f["parent_port_diff"] == 0
+        want = _reference_parent_check(f, k, rbits) if parent else _reference_check(f, k, bits)
+        row = _tcam_first_row(entries, f)
+        assert (row.counter, row.valid if row.counter is None else None) == \
+            (want, ("validated_parent" if parent else "validated") if want is None else None), f
+        seen.add((parent, want))
+    assert (True, None) in seen and (False, None) in seen and len(seen) >= 20
+    text = gen.render(g, leaf=True)
+    assert text.splitlines()[1] == "#define THC_LEAF"
+    table = text[text.index("table validate {"):]
+    assert table.count(": validated_parent();") == sum(r.valid == "validated_parent" and r.counter is None
+                                                       for r in entries) >= 3
+
+
+@pytest.mark.parametrize(("elems", "target"), [(32, "tofino"), (64, "tofino"), (128, "tofino2")])
+def test_p4test_accepts_the_leaf_program(tmp_path: Path, elems: int, target: str) -> None:
+    """The leaf of two-tier jobs (p4gen.tofino --leaf) passes the front end, and it is the template's
+    THC_LEAF blocks: the one-tier program has none of its names."""
+    out = tmp_path / "thc.p4"
+    out.write_text(gen.render(gen.TofinoGeometry(elems=elems, target=target), leaf=True))
+    shutil.copy(P4_DIR / "tofino" / "parser.p4", tmp_path / "parser.p4")
+    proc = run_p4test(out, 2 if target == "tofino2" else 1)
+    assert proc.returncode == 0, f"p4test failed:\n{proc.stderr}"
+    assert "warning" not in proc.stderr.lower(), proc.stderr
+    leaf, one_tier = (_strip_comments(preprocess(t, set())) for t in (out.read_text(), PROGRAM.read_text()))
+    for name in ("thc_uplink", "bank_upstream", "validated_parent", "EMIT_PARTIAL", "thc_tier_stats"):
+        assert name in leaf and name not in one_tier
+
+
+def test_leaf_command_line_needs_an_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--leaf writes elsewhere than the checked-in one-tier program, and says so otherwise."""
+    with pytest.raises(SystemExit):
+        gen.main(["--leaf"])
+    assert "--leaf needs --output" in capsys.readouterr().err
+    assert gen.main(["--leaf", "--elems", "32", "--output", str(tmp_path / "leaf.p4")]) == 0
+    assert (tmp_path / "leaf.p4").read_text() == gen.render(gen.TofinoGeometry(elems=32), leaf=True)
 
 
 @pytest.mark.parametrize("target", ["tofino", "tofino2"])

@@ -22,6 +22,7 @@ from aggregator.bfrt import (
     DEFAULT_TOFINO_GEOMETRY,
     EGRESS_REGISTERS,
     INGRESS_REGISTERS,
+    LEAF_INGRESS_REGISTERS,
     BfrtUnavailable,
     TofinoJob,
     TofinoPlan,
@@ -35,11 +36,11 @@ from aggregator.bfrt import (
 from aggregator.p4rt import JobRefused, P4InfoIndex, ProgramGeometry, program_geometry
 from aggregator.p4rt.thc import job_updates
 from aggregator.switch.cli import main as cli_main
-from aggregator.switch.entries import Placement
+from aggregator.switch.entries import Placement, Uplink
 from aggregator.switch.errors import SwitchError
-from tests.p4_support import CHECKED_IN_P4INFO, P4_DIR
+from tests.p4_support import CHECKED_IN_P4INFO, P4_DIR, preprocess
 from worker_lib.job import JobConfig
-from worker_lib.wire.protocol import Counter
+from worker_lib.wire.protocol import Counter, TierCounter
 
 TOFINO_PROGRAM = P4_DIR / "tofino" / "thc.p4"
 GEN = 0x1234
@@ -121,7 +122,7 @@ def test_default_geometry_is_the_generators() -> None:
 def test_reset_covers_every_register_of_the_program() -> None:
     """The load script clears every Register declared in p4src/tofino/thc.p4 (ingress and egress), with the
     data fields of its cell type, and nothing else."""
-    text = TOFINO_PROGRAM.read_text()
+    text = preprocess(TOFINO_PROGRAM.read_text(), set())
     element, rest = text.split("control ThcIngress(", 1)
     element = element[element.index("control ThcLookup("):]
     ingress, egress = rest.split("control ThcEgress(", 1)
@@ -352,3 +353,95 @@ def test_cli_geometry_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert cli_main(["load", "--target", "tofino2", "--job", spec160, "--ports", "1,2", "--no-run",
                      "--output", str(out)]) == 0
     assert {t for t, _, _ in parse_calls(out.read_text())} == {f"lookup_{m}.lookup" for m in range(80)} | {"thc_jobs"}
+
+
+# ---- the leaf of two-tier jobs (p4gen.tofino --leaf) ----
+
+LEAF_JOB = JobConfig(job=5, key=0x54484321, leaves=(3, 5), workers=8, elems=64, result_bits=8, slots=16)
+UPLINK = Uplink(leaf=0, leaves=2, ip="10.0.9.1", port=9451, mac="02:00:00:00:09:01", out_port=12)
+UPLINK_CALL = re.compile(r"^ing\.thc_uplink\.set_default_with_uplink\((.*)\)$", re.M)
+
+
+def leaf_program() -> str:
+    """The leaf program of the default geometry, as the compiler sees it (THC_LEAF blocks kept)."""
+    return preprocess(gen_tofino.render(leaf=True), set())
+
+
+def leaf_plan(*jobs: TofinoJob, uplink: Uplink | None = UPLINK, leaf: bool = True) -> TofinoPlan:
+    return TofinoPlan(jobs=jobs, program=TofinoProgram(leaf=leaf), uplink=uplink)
+
+
+def test_leaf_script_installs_the_leafs_job_and_its_uplink() -> None:
+    """A leaf plan installs leaf 0's one-tier job (3 local workers, threshold 3), the uplink as
+    thc_uplink's default action with the action's parameters as the leaf program declares them, brings
+    the uplink's port up and also resets the leaf's register."""
+    script = bfrt_load_script(leaf_plan(TofinoJob(LEAF_JOB, (1, 2, 3))), generation=GEN)
+    [(_, _, job)] = [c for c in parse_calls(script) if c[0] == "thc_jobs"]
+    assert (job["workers"], job["threshold"], job["slots"]) == (3, 3, 16)
+    [args] = UPLINK_CALL.findall(script)
+    call = ast.parse(f"f({args})", mode="eval").body
+    kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    assert kw == {"leaf": 0, "leaves": 2, "parent_ip": 0x0A000901, "parent_port": 9451,
+                  "parent_mac": 0x020000000901, "parent_out": 12}
+    params = re.search(r"action uplink\(([^)]*)\)", leaf_program()).group(1)
+    assert [p.split()[-1] for p in params.split(",")] == list(kw)
+    assert "table thc_uplink {\n        actions" in leaf_program()  # keyless: its default action is the entry
+    assert 12 in {int(p) for p in re.findall(r"bfrt\.port\.port\.add\(DEV_PORT=(\d+),", script)}
+    cleared = set(re.findall(r"^ing\.(\w+)\.clear\(\)$", script, re.M))
+    ingress = leaf_program().split("control ThcIngress(", 1)[1].split("control ThcEgress(", 1)[0]
+    assert cleared == set(re.findall(r"^\s*Register<[^\n]*?>\(\w+\) (\w+);", ingress, re.M))
+    assert cleared == set(INGRESS_REGISTERS) | set(LEAF_INGRESS_REGISTERS)
+    assert "leaf program (python -m p4gen.tofino --leaf)" in script
+
+
+def test_leaf_plans_refuse_what_the_leaf_program_cannot_serve() -> None:
+    """One line each: an uplink without the leaf program, a two-tier job without an uplink, a one-tier
+    job on a leaf, a leaf index the job has not, partials wider than the program's sums."""
+    cases = [
+        (leaf_plan(TofinoJob(LEAF_JOB, (1, 2, 3)), leaf=False), "an uplink needs the leaf program"),
+        (leaf_plan(TofinoJob(LEAF_JOB, (1, 2, 3)), uplink=None, leaf=False), "two-tier jobs with an uplink"),
+        (leaf_plan(TofinoJob(LEAF_JOB, (1, 2, 3)), uplink=None), "two-tier jobs with an uplink"),
+        (leaf_plan(TofinoJob(sample_job(), (1, 2, 3))), "has one tier"),
+        (leaf_plan(TofinoJob(LEAF_JOB, (1, 2, 3)), uplink=Uplink(2, 3, "10.0.9.1", 9451, "02:00:00:00:09:01", 1)),
+         "leaf 2 of 3"),
+        (leaf_plan(TofinoJob(JobConfig(job=6, leaves=(9, 9), workers=18, elems=64, result_bits=16, slots=8),
+                             tuple(range(9)))), "16-bit sums"),
+    ]
+    for plan, message in cases:
+        with pytest.raises(JobRefused, match=message):
+            bfrt_load_script(plan)
+
+
+def test_leaf_stats_add_the_tier_counters() -> None:
+    """The leaf's stats script also reads thc_tier_stats (TierCounter's size in the leaf program) and
+    thc_forwarded; the read-back names them; the one-tier script reads neither."""
+    sizes = dict((n, s) for s, n in re.findall(r"Counter<bit<64>, bit<32>>\((\w+), CounterType_t\.PACKETS\) (\w+);",
+                                              leaf_program()))
+    assert sizes["thc_tier_stats"] == "THC_NUM_TIER_COUNTERS" and sizes["thc_forwarded"] == "1"
+    script = bfrt_stats_script(TofinoProgram(leaf=True))
+    assert f"_cells(ing.thc_tier_stats, {len(TierCounter)})" in script and "_cells(ing.thc_forwarded, 1)" in script
+    assert "thc_tier_stats" not in bfrt_stats_script()
+    raw = {"thc_stats": [0] * len(Counter), "thc_rx": [9], "thc_accepted": [1, 1], "thc_completed": [1],
+           "thc_tier_stats": [0, 4, 2], "thc_forwarded": [7]}
+    out = stats_from_raw(raw, 64)
+    assert (out["FORWARDED"], out["FORWARDED_AGAIN"], out["STALE_PARENT"], out["COMPLETED"]) == (7, 4, 2, 1)
+
+
+def test_cli_loads_a_leaf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """thc-switch load --target tofino --leaf ... writes the leaf's script; the uplink's options without
+    --leaf, or --leaf without them, are one line each."""
+    monkeypatch.delenv("SDE", raising=False)
+    out = tmp_path / "leaf.py"
+    base = ["load", "--target", "tofino", "--job", LEAF_JOB.spec(), "--ports", "1,2,3", "--no-run"]
+    up = ["--upstream", "10.0.9.1:9451", "--upstream-mac", "02:00:00:00:09:01", "--upstream-port", "12"]
+    assert cli_main([*base, "--leaf", "0", *up, "--output", str(out)]) == 0
+    assert out.read_text() == bfrt_load_script(leaf_plan(TofinoJob(LEAF_JOB, (1, 2, 3))),
+                                               generation=_generation(out.read_text()))
+    assert cli_main([*base, *up]) == 1
+    assert "give --leaf L too" in capsys.readouterr().err
+    assert cli_main([*base, "--leaf", "0"]) == 1
+    assert "--upstream, --upstream-mac, --upstream-port" in capsys.readouterr().err
+
+
+def _generation(script: str) -> int:
+    return int(re.search(r"gen=(0x[0-9a-f]+)", script).group(1), 16)

@@ -17,6 +17,13 @@ and group, job entry), and runs it in bfshell where the SDE is installed ($SDE/r
     thc-switch load --target tofino --job 'job=1,workers=4,elems=32,result_bits=8' --ports 1,2,3,4 \\
         --service 10.0.0.100,02:00:00:00:01:00 --output thc_load.py
     thc-switch stats --target tofino
+
+A Tofino leaf of two-tier jobs runs the program ``python -m p4gen.tofino --leaf`` renders; its load script
+takes the same --leaf and --upstream options as ``job`` does on BMv2:
+
+    thc-switch load --target tofino --geometry 32,4,8,4096,8 --job 'job=1,leaves=4:4,elems=32' \\
+        --ports 1,2,3,4 --leaf 0 --upstream 10.0.1.200:9451 --upstream-mac 02:00:00:00:02:01 --upstream-port 5
+    thc-switch stats --target tofino --leaf
 """
 
 from __future__ import annotations
@@ -89,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="an aggregator address of the switch and the MAC its answers come from (repeatable)")
     ld.add_argument("--route", action="append", default=[], metavar="PREFIX,MAC,PORT",
                     help="an IPv4 route: prefix, next-hop MAC, egress port (repeatable)")
+    _uplink_arguments(ld, "tofino: two-tier jobs (leaves=...): the switch, running the leaf program "
+                          "(python -m p4gen.tofino --leaf), is leaf L; --ports are its local workers' ports")
 
     jb = sub.add_parser("job", help="install or replace a job (lookup entries, multicast group, job entry)")
     src = jb.add_mutually_exclusive_group(required=True)
@@ -102,16 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "HOST:PORT) instead, and print where the workers must send")
     jb.add_argument("--fallback", metavar="HOST:PORT", help="that thc-aggregator's data address (for the workers)")
     jb.add_argument("--fallback-token-file", type=Path, help="its --control-token-file, if it has one")
-    jb.add_argument("--leaf", type=int, metavar="L",
-                    help="a two-tier job (leaves=...): this switch, running the leaf program (-DTHC_LEAF), is leaf L; "
-                         "--ports are its local workers' ports, in local order")
+    _uplink_arguments(jb, "a two-tier job (leaves=...): this switch, running the leaf program (-DTHC_LEAF), is "
+                          "leaf L; --ports are its local workers' ports, in local order")
     jb.add_argument("--spine", action="store_true",
                     help="a two-tier job: this switch, running the spine program (-DTHC_SPINE), is its spine; "
                          "--ports are the leaves' ports, in leaf order")
-    jb.add_argument("--upstream", type=host_port, metavar="IP:PORT",
-                    help="with --leaf: the spine's address and UDP port")
-    jb.add_argument("--upstream-mac", metavar="MAC", help="with --leaf: the next hop's MAC towards the spine")
-    jb.add_argument("--upstream-port", type=int, metavar="PORT", help="with --leaf: the switch port towards the spine")
     jb.add_argument("--service-address", metavar="HOST:PORT", default="switch",
                     help="the switch's aggregator address as the workers reach it (printed for jobs it takes)")
 
@@ -125,7 +129,18 @@ def build_parser() -> argparse.ArgumentParser:
                                               "(default: the generator's for the target)")
     st.add_argument("--output", type=Path, help="tofino: also write the bfrt_python script here")
     st.add_argument("--sde", help="tofino: the SDE directory (default $SDE)")
+    st.add_argument("--leaf", action="store_true",
+                    help="tofino: the switch runs the leaf program (p4gen.tofino --leaf): its tier counters too")
     return p
+
+
+def _uplink_arguments(p: argparse.ArgumentParser, leaf_help: str) -> None:
+    """A leaf's options: its index and its parent (the spine)."""
+    p.add_argument("--leaf", type=int, metavar="L", help=leaf_help)
+    p.add_argument("--upstream", type=host_port, metavar="IP:PORT",
+                   help="with --leaf: the spine's address and UDP port")
+    p.add_argument("--upstream-mac", metavar="MAC", help="with --leaf: the next hop's MAC towards the spine")
+    p.add_argument("--upstream-port", type=int, metavar="PORT", help="with --leaf: the switch port towards the spine")
 
 
 def _pair(text: str, n: int, what: str) -> list[str]:
@@ -149,7 +164,10 @@ def _tofino_plan(args: argparse.Namespace) -> TofinoPlan:
     for r in args.route:
         prefix, mac, port = _pair(r, 3, "--route")
         routes.append((prefix, mac, int(port)))
-    program = TofinoProgram(geometry=tofino_geometry(TofinoGeometry(target=args.target)))
+    if args.leaf is None and (args.upstream or args.upstream_mac or args.upstream_port is not None):
+        raise SwitchError("--upstream, --upstream-mac and --upstream-port are for a leaf: give --leaf L too")
+    uplink = _uplink(cfgs[0], args) if args.leaf is not None and cfgs else None
+    program = TofinoProgram(geometry=tofino_geometry(TofinoGeometry(target=args.target)), leaf=uplink is not None)
     if args.geometry:
         try:
             k, b, rbits, slots, njobs = (int(x) for x in _pair(args.geometry, 5, "--geometry"))
@@ -160,9 +178,9 @@ def _tofino_plan(args: argparse.Namespace) -> TofinoPlan:
             geometry = TofinoGeometry(k, b, rbits, slots, njobs, target=args.target)
         except ValueError as exc:
             raise SwitchError(f"--geometry: {exc}") from None
-        program = TofinoProgram(geometry=tofino_geometry(geometry))
+        program = TofinoProgram(geometry=tofino_geometry(geometry), leaf=uplink is not None)
     return TofinoPlan(jobs=jobs, services=services, routes=tuple(routes),  # type: ignore[arg-type]
-                      program=program)
+                      program=program, uplink=uplink)
 
 
 def run_tofino(args: argparse.Namespace) -> int:
@@ -187,7 +205,7 @@ def run_tofino(args: argparse.Namespace) -> int:
         print(json.dumps({"loaded": str(args.output or "thc load script")}))
         return 0
     if args.command == "stats":
-        script = bfrt_stats_script()
+        script = bfrt_stats_script(TofinoProgram(leaf=args.leaf))
         if args.output:
             args.output.write_text(script)
         bfshell(args.sde)  # raises BfrtUnavailable, saying why, where the SDE is not installed
@@ -276,7 +294,7 @@ def _uplink(cfg: JobConfig, args: argparse.Namespace) -> Uplink:
     if missing:
         raise SwitchError(f"job {cfg.job} has two tiers: give --spine (this switch is its spine), or "
                           f"{', '.join(missing)} (one of its leaves)")
-    if args.fallback_control:
+    if getattr(args, "fallback_control", None):
         raise SwitchError("--fallback-control places one-tier jobs; a leaf's job has no software fallback here")
     ip, port = args.upstream
     return Uplink(leaf=args.leaf, leaves=len(cfg.leaves), ip=ip, port=port, mac=args.upstream_mac,

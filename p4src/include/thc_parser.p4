@@ -14,7 +14,11 @@
 #include "thc_common.p4"
 
 parser ThcHeaderParser(packet_in pkt, out ethernet_h ethernet, out ipv4_h ipv4, out udp_h udp, out thc_h thc,
-                       out thc_data_h data, out thc_norm_h norm) {
+                       out thc_data_h data, out thc_norm_h norm
+#ifdef THC_PARSE_RESULTS
+                       , out thc_result_h result
+#endif
+                       ) {
     state start {
         pkt.extract(ethernet);
         transition select(ethernet.etherType) {
@@ -41,9 +45,20 @@ parser ThcHeaderParser(packet_in pkt, out ethernet_h ethernet, out ipv4_h ipv4, 
         transition select(thc.version, thc.type_) {
             (THC_VERSION, THC_TYPE_DATA): parse_data;
             (THC_VERSION, THC_TYPE_NORM): parse_norm;
+#ifdef THC_PARSE_RESULTS
+            // A program that receives results (a Tofino leaf: its parent's answers) parses them too.
+            (THC_VERSION, THC_TYPE_RESULT): parse_result;
+            (THC_VERSION, THC_TYPE_NORM_RESULT): parse_norm;
+#endif
             default: accept;
         }
     }
+#ifdef THC_PARSE_RESULTS
+    state parse_result {
+        pkt.extract(result);
+        transition accept;
+    }
+#endif
     state parse_data {
         pkt.extract(data);
         transition accept;

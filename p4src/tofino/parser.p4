@@ -17,7 +17,12 @@ parser ThcIngressParser(packet_in pkt, out thc_headers_t hdr, out thc_metadata_t
     state start {
         pkt.extract(ig_intr_md);
         pkt.advance(PORT_METADATA_SIZE);
+#ifdef THC_LEAF
+        meta = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}};
+#else
         meta = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+#endif
         transition select(ig_intr_md.ingress_port) {
             THC_RECIRC_PORT: parse_bridge;   // pass 2: the bridge header written by pass 1
             default: parse_packet;
@@ -28,7 +33,11 @@ parser ThcIngressParser(packet_in pkt, out thc_headers_t hdr, out thc_metadata_t
         transition parse_packet;
     }
     state parse_packet {
+#ifdef THC_PARSE_RESULTS
+        thc_parser.apply(pkt, hdr.ethernet, hdr.ipv4, hdr.udp, hdr.thc, hdr.data, hdr.norm, hdr.result);
+#else
         thc_parser.apply(pkt, hdr.ethernet, hdr.ipv4, hdr.udp, hdr.thc, hdr.data, hdr.norm);
+#endif
         transition accept;
     }
 }

@@ -26,6 +26,20 @@
  *     learnt address) or the retained result unicast to the sender. Recirculation is FIFO, so pass 2
  *     applies packets in their pass-1 order.
  *
+ * THE LEAF of a two-tier job (docs/protocol.md, "Two tiers"; python -m p4gen.tofino --leaf renders it, which
+ * defines THC_LEAF and adds the parent's validation rows): the THC_LEAF blocks below are all it adds.
+ *   - A round complete here is FORWARDED: pass 2 sends the PARTIAL / PARTIAL_NORM (the bank's sums at the
+ *     program's width) to the parent (the keyless table thc_uplink) instead of multicasting a result.
+ *   - Register bank_upstream keeps the leaf's state of each bank (UP_* below). A worker's packet for a
+ *     COMPLETE bank reads it in pass 1: FORWARDED sends the partial again (pass 2 reads the sums back),
+ *     UPSTREAM_STALE answers the parent's round in a straggler notice, and a bank that holds the parent's
+ *     result answers it as the retained result.
+ *   - The parent's packets (from its address and port) are validated by their own TCAM rows. Its RESULT /
+ *     NORM_RESULT for a FORWARDED bank of its round and kind recirculates with job_index THC_PARENT_ROW:
+ *     the lookups keep its sums, which the words store (OP_SET), and it is multicast to the local
+ *     workers. Its STRAGGLER names the refused round in bitmap; that bank, if FORWARDED, becomes
+ *     UPSTREAM_STALE and the notice (the spine's round, bitmap 0) is multicast from pass 1.
+ *
  * Registers are cleared by the control plane when a job is installed (bfrt can write registers, unlike
  * BMv2's P4Runtime server), so this program keeps no generation numbers; the thc_jobs action still takes
  * the `gen` parameter so that both targets get the same logical entries (aggregator/p4rt/thc.py).
@@ -34,6 +48,13 @@
 #include <tna.p4>
 
 #include "thc_common.p4"
+
+#ifdef THC_LEAF
+#ifdef THC_P4TESTGEN
+#error "P4Testgen's assumptions below are the one-tier program's (p4gen.testgen_tofino explores that one)"
+#endif
+#define THC_PARSE_RESULTS   // the parent's RESULT payload is parsed too (p4src/include/thc_parser.p4)
+#endif
 
 #ifdef THC_P4TESTGEN
 // Only when P4Testgen explores the program (python -m p4gen.testgen_tofino defines THC_P4TESTGEN): its
@@ -84,6 +105,16 @@ const bit<8> EMIT_NONE = 0;
 const bit<8> EMIT_MULTICAST = 1;  // completion: to every (known) worker of the job
 const bit<8> EMIT_RETAINED = 2;   // retained result, unicast to the sender
 const bit<8> EMIT_STRAGGLER = 3;  // straggler notice, unicast to the sender
+#ifdef THC_LEAF
+const bit<8> EMIT_PARTIAL = 4;    // a leaf's PARTIAL / PARTIAL_NORM, to the parent
+
+const bit<16> THC_PARENT_ROW = 0xFFFE;  // pass 2's job_index for the parent's RESULT: the lookups keep its sums
+// A leaf's state of a bank beyond one tier's (bank_upstream's cell; the state in bits 7..0):
+const bit<8> UP_LOCAL = 0;      // not complete here; or complete, its pass 2 not run yet (then as FORWARDED)
+const bit<8> UP_FORWARDED = 1;  // FORWARDED: complete here, the partial sent, no answer from the parent yet
+const bit<8> UP_DONE = 2;       // COMPLETE with the parent's result; bits 15..8: its contributors
+const bit<8> UP_STALE = 3;      // UPSTREAM_STALE; bits 31..16: the parent's round
+#endif
 
 const bit<8> PHASE_FORWARD = 0;   // plain IPv4 forwarding
 const bit<8> PHASE_RECIRC = 1;    // pass 1 done, on its way to pass 2
@@ -180,6 +211,29 @@ struct thc_headers_t {
     thc_result_h result;
 }
 
+#ifdef THC_LEAF
+// The leaf's own metadata (meta.lf).
+struct thc_leaf_metadata_t {
+    bit<8> uplink_hit;     // thc_uplink has its entry
+    bit<8> leaf;           // this leaf's index: the PARTIAL's worker field
+    bit<8> leaves;         // the job's leaf count: a parent packet's worker field is below it
+    ipv4_addr_t parent_ip;
+    bit<16> parent_port;
+    mac_addr_t parent_mac;
+    PortId_t parent_out;
+    bit<32> parent_ip_diff;    // source address ^ the parent's: 0 from the parent
+    bit<16> parent_port_diff;  // source port ^ the parent's
+    bit<8> leaves_left;        // leaves |-| worker: 0 if a parent packet's leaf index is out of range
+    bit<8> from_parent;        // 1: validated as the parent's packet (validated_parent)
+    bit<32> parent_cell;       // what the parent's packet writes into a FORWARDED bank's bank_upstream cell
+    bit<16> spine_round;       // a parent's notice: the spine's round (its round field holds the refused one)
+    bit<16> notice_round;      // the round a straggler notice to a worker carries
+    bit<32> up;                // bank_upstream's output (upstream_read; upstream_answer: 1 if taken)
+    bit<8> count_tier;         // 1: count thc_tier_stats[tier_stat] (pass 1)
+    bit<32> tier_stat;
+}
+#endif
+
 struct thc_metadata_t {
     bit<8> to_service;     // 1: the packet is addressed to the aggregator (thc_service hit)
     bit<8> job_hit;        // 1: thc_jobs hit
@@ -214,6 +268,9 @@ struct thc_metadata_t {
     // The one thc_stats update of pass 1 (a counter is updated from one place, at the end):
     bit<8> count_stat;     // 1: count thc_stats[stat]
     bit<32> stat;
+#ifdef THC_LEAF
+    thc_leaf_metadata_t lf;
+#endif
 }
 
 struct thc_egress_metadata_t {
@@ -243,8 +300,13 @@ struct thc_egress_metadata_t {
 // One lookup, instantiated K / THC_LOOKUP_INDICES times (lookup_0 ..): the job's table values of
 // THC_LOOKUP_INDICES adjacent indices (entries (job_index, indices) -> T[i0] ++ T[i1] .., written by the
 // control plane; a retained read's job_index is THC_NO_ROW, so it misses and gives 0).
+#ifdef THC_LEAF
+#define THC_LOOKUP_OUT inout   // a leaf: the parent's RESULT keeps its sums in `values`
+#else
+#define THC_LOOKUP_OUT out
+#endif
 control ThcLookup(in bit<16> job_index, in bit<THC_LOOKUP_KEY_BITS> indices,
-                  out bit<THC_LOOKUP_VALUE_BITS> values) {
+                  THC_LOOKUP_OUT bit<THC_LOOKUP_VALUE_BITS> values) {
     action value(bit<THC_LOOKUP_VALUE_BITS> v) {
         values = v;
     }
@@ -257,6 +319,11 @@ control ThcLookup(in bit<16> job_index, in bit<THC_LOOKUP_KEY_BITS> indices,
     }
 
     apply {
+#ifdef THC_LEAF
+        if (job_index == THC_PARENT_ROW) {
+            return;   // the parent's RESULT (a leaf): its sums stay
+        }
+#endif
         lookup.apply();
     }
 }
@@ -294,6 +361,12 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
     Counter<bit<64>, bit<32>>(1, CounterType_t.PACKETS) thc_rx;
     Counter<bit<64>, bit<32>>(2, CounterType_t.PACKETS) thc_accepted;   // [0] NORM, [1] DATA
     Counter<bit<64>, bit<32>>(1, CounterType_t.PACKETS) thc_completed;
+#ifdef THC_LEAF
+    // A leaf's exchanges with its parent (TierCounter's indices): forwarded_again and stale_parent in pass 1;
+    // forwarded (a completion here, pass 2) has its own counter.
+    Counter<bit<64>, bit<32>>(THC_NUM_TIER_COUNTERS, CounterType_t.PACKETS) thc_tier_stats;
+    Counter<bit<64>, bit<32>>(1, CounterType_t.PACKETS) thc_forwarded;
+#endif
 
     // ---- pass 1 registers: the state chain (one stateful ALU each, one stage after another) ----
     // Tofino 1's stateful ALU gives one output, from one source (the cell, an ALU result, or the
@@ -381,6 +454,36 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
         }
     };
 
+#ifdef THC_LEAF
+    // The leaf's state of each bank (UP_*), after the count in pass 1's chain; written in pass 2 by the
+    // worker's packets (the round starts LOCAL, its completion makes it FORWARDED) and in pass 1 by the
+    // parent's answers (a FORWARDED bank takes meta.lf.parent_cell).
+    Register<bit<32>, bit<32>>(THC_BANKS) bank_upstream;
+    RegisterAction<bit<32>, bit<32>, bit<32>>(bank_upstream) upstream_read = {
+        void apply(inout bit<32> v, out bit<32> rv) {
+            rv = v;
+        }
+    };
+    RegisterAction<bit<32>, bit<32>, bit<32>>(bank_upstream) upstream_answer = {
+        void apply(inout bit<32> v, out bit<32> rv) {
+            rv = 0;
+            if (v == (bit<32>)UP_FORWARDED) {
+                v = meta.lf.parent_cell;
+                rv = 1;
+            }
+        }
+    };
+    RegisterAction<bit<32>, bit<32>, bit<32>>(bank_upstream) upstream_local = {
+        void apply(inout bit<32> v) {
+            if (meta.below_threshold == 0) {
+                v = (bit<32>)UP_FORWARDED;
+            } else if (hdr.bridge.op == OP_SET) {
+                v = (bit<32>)UP_LOCAL;
+            }
+        }
+    };
+
+#endif
     // ---- pass 2 registers ----
     // Each has ONE RegisterAction, whose predicate picks overwrite (OP_SET) or add: Tofino places
     // every table that uses a register in that register's stage, and one table per operation (set,
@@ -604,6 +707,66 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
         meta.tag = (8w0 ++ THC_TYPE_NORM) ++ hdr.thc.round;
         meta.other_tag = (8w0 ++ THC_TYPE_DATA) ++ hdr.thc.round;
     }
+#ifdef THC_LEAF
+
+    // The parent's packets: the bank they are for holds their round with the kind of their request
+    // (a notice: its refused round, either kind); parent_cell is what a FORWARDED bank then keeps.
+    action prepare_result() {
+        meta.udp_short = (UDP_HEADER_BYTES + THC_HEADER_BYTES) |-| hdr.udp.length;
+        meta.tag = (8w0 ++ THC_TYPE_DATA) ++ hdr.thc.round;
+        meta.other_tag = (8w0 ++ THC_TYPE_NORM) ++ hdr.thc.round;
+        meta.lf.parent_cell = 16w0 ++ hdr.thc.contributors ++ UP_DONE;
+    }
+
+    action prepare_norm_result() {
+        meta.udp_short = (UDP_HEADER_BYTES + THC_HEADER_BYTES) |-| hdr.udp.length;
+        meta.tag = (8w0 ++ THC_TYPE_NORM) ++ hdr.thc.round;
+        meta.other_tag = (8w0 ++ THC_TYPE_DATA) ++ hdr.thc.round;
+        meta.lf.parent_cell = 16w0 ++ hdr.thc.contributors ++ UP_DONE;
+    }
+
+    // A notice's bank is its refused round's (bitmap 15..0): pass 1 addresses banks by hdr.thc.round, so
+    // the refused round goes there and the spine's round waits in meta.lf.spine_round.
+    action prepare_notice() {
+        meta.udp_short = (UDP_HEADER_BYTES + THC_HEADER_BYTES) |-| hdr.udp.length;
+        meta.tag = (8w0 ++ THC_TYPE_DATA) ++ hdr.thc.bitmap[15:0];
+        meta.other_tag = (8w0 ++ THC_TYPE_NORM) ++ hdr.thc.bitmap[15:0];
+        meta.lf.parent_cell = hdr.thc.round ++ 8w0 ++ UP_STALE;
+        meta.lf.spine_round = hdr.thc.round;
+        hdr.thc.round = hdr.thc.bitmap[15:0];
+    }
+
+    table prepare {
+        key = { hdr.thc.type_: exact; }
+        actions = { prepare_data; prepare_norm; prepare_result; prepare_norm_result; prepare_notice; }
+        const entries = {
+            THC_TYPE_NORM : prepare_norm();
+            THC_TYPE_RESULT : prepare_result();
+            THC_TYPE_NORM_RESULT : prepare_norm_result();
+            THC_TYPE_STRAGGLER : prepare_notice();
+        }
+        const default_action = prepare_data();
+        size = 4;
+    }
+
+    // The leaf's parent (keyless: the control plane sets its default action, as on BMv2).
+    action uplink(bit<8> leaf, bit<8> leaves, ipv4_addr_t parent_ip, bit<16> parent_port, mac_addr_t parent_mac,
+                  PortId_t parent_out) {
+        meta.lf.uplink_hit = 1;
+        meta.lf.leaf = leaf;
+        meta.lf.leaves = leaves;
+        meta.lf.parent_ip = parent_ip;
+        meta.lf.parent_port = parent_port;
+        meta.lf.parent_mac = parent_mac;
+        meta.lf.parent_out = parent_out;
+    }
+
+    table thc_uplink {
+        actions = { uplink; NoAction; }
+        default_action = NoAction();
+        size = 1;
+    }
+#endif
 
     // Comparisons of two fields. A Tofino gateway (an if) compares a field with a constant, so "a >= b"
     // becomes "b |-| a == 0": the saturating difference is computed by an action of its own table, which
@@ -613,6 +776,11 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
         meta.slots_left = meta.job_slots |-| hdr.thc.slot;
         meta.key_diff = hdr.thc.key_ ^ meta.job_key;
         meta.table_diff = hdr.thc.table_id ^ meta.job_table_id;
+#ifdef THC_LEAF
+        meta.lf.leaves_left = meta.lf.leaves |-| hdr.thc.worker;
+        meta.lf.parent_ip_diff = hdr.ipv4.srcAddr ^ meta.lf.parent_ip;
+        meta.lf.parent_port_diff = hdr.udp.srcPort ^ meta.lf.parent_port;
+#endif
     }
 
     table check_job_bounds {
@@ -645,14 +813,28 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
 
     @stage(4)
     table tag_step {
+#ifdef THC_LEAF
+        key = { meta.s: ternary; meta.lf.from_parent: ternary; }   // the parent's packets only test
+        actions = { tag_set; tag_test; NoAction; }
+        const entries = {
+            (_, 1 &&& 0xFF) : tag_test();
+            (0 &&& 0xFFFFFFFF, _) : tag_set();
+            (_, _) : tag_test();
+        }
+#else
         key = { meta.s: ternary; }
         actions = { tag_set; tag_test; NoAction; }
         const entries = {
             0 &&& 0xFFFFFFFF : tag_set();
             _ : tag_test();
         }
+#endif
         const default_action = NoAction();   // a default action cannot address by hash
+#ifdef THC_LEAF
+        size = 3;
+#else
         size = 2;
+#endif
     }
 
     action seen_set() {
@@ -700,6 +882,35 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
         size = 3;
     }
 
+#ifdef THC_LEAF
+    // bank_upstream in pass 1: a worker's packet for a COMPLETE bank reads the leaf's state; the parent's
+    // answer for the bank of its round (a RESULT: of its kind; a notice: of either) is taken if FORWARDED.
+    action up_read() {
+        meta.lf.up = upstream_read.execute(THC_BANK(bank_index, meta.slot, hdr.thc.round[0:0]));
+    }
+
+    action up_answer() {
+        meta.lf.up = upstream_answer.execute(THC_BANK(bank_index, meta.slot, hdr.thc.round[0:0]));
+    }
+
+    table up_step {
+        key = { meta.lf.from_parent: ternary; meta.tag_res: ternary; hdr.thc.type_: ternary; meta.c: ternary; }
+        actions = { up_read; up_answer; NoAction; }
+        const entries = {
+            (1 &&& 0xFF, 1 &&& 0xFF, _, _) : up_answer();
+            (1 &&& 0xFF, 2 &&& 0xFF, THC_TYPE_STRAGGLER &&& 0xFF, _) : up_answer();
+            (0 &&& 0xFF, 1 &&& 0xFF, _, 0x100 &&& 0x100) : up_read();
+        }
+        const default_action = NoAction();
+        size = 3;
+    }
+
+    action validated_parent() {
+        meta.valid = 1;
+        meta.lf.from_parent = 1;
+    }
+
+#endif
     // Validation failed: count the check's counter, drop.
     action reject(bit<32> reason) {
         meta.stat = reason;
@@ -733,7 +944,11 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
             hdr.udp.length: ternary;
             hdr.norm.value[31:23]: ternary;
         }
+#ifdef THC_LEAF
+        actions = { reject; validated; validated_parent; }
+#else
         actions = { reject; validated; }
+#endif
         const entries = {
             // no THC header parsed
             (false, _, _, _, _, _, _, _, _, _, _, _, _, _, _) : reject(THC_CTR_SHORT);
@@ -796,6 +1011,9 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
     }
 
     apply {
+#ifdef THC_LEAF
+        thc_uplink.apply();   // both passes: pass 1 knows the parent's packets, pass 2 addresses partials
+#endif
         if (hdr.bridge.isValid()) {
             // ======================== PASS 2 (recirculated) ========================
 #ifdef THC_P4TESTGEN
@@ -901,6 +1119,24 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                 bnorm = norm_update.execute(bank);
             }
             meta.bmap = result_bitmap_update.execute(bank);
+#ifdef THC_LEAF
+            // Pass 1 chose the answer of a read (the retained result or the partial again) and of the
+            // parent's RESULT (multicast); a worker's accepted packet starts or completes the leaf's state.
+            if (hdr.bridge.job_index == THC_PARENT_ROW) {
+                thc_completed.count(0);
+            } else if (op != OP_READ) {
+                upstream_local.execute(bank);
+                if (hdr.bridge.kind == THC_TYPE_DATA) {
+                    thc_accepted.count(1);
+                } else {
+                    thc_accepted.count(0);
+                }
+                if (meta.below_threshold == 0) {
+                    hdr.bridge.emit = EMIT_PARTIAL;    // complete here: FORWARDED, the partial to the parent
+                    thc_forwarded.count(0);
+                }
+            }
+#else
             if (op == OP_READ) {
                 hdr.bridge.emit = EMIT_RETAINED;   // COMPLETE: the retained result, to the sender
             } else {
@@ -914,6 +1150,7 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                     thc_completed.count(0);
                 }
             }
+#endif
             if (hdr.bridge.emit == EMIT_NONE) {
                 drop();
             } else {
@@ -933,11 +1170,33 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                     hdr.data.setInvalid();
                     hdr.udp.length = UDP_HEADER_BYTES + THC_HEADER_BYTES + THC_RESULT_BYTES;
                 }
+#ifdef THC_LEAF
+                if (hdr.bridge.emit == EMIT_PARTIAL) {
+                    // The bank's partial: its sums at the program's width (or its norm), as this leaf.
+                    if (hdr.bridge.kind == THC_TYPE_NORM) {
+                        hdr.thc.type_ = THC_TYPE_PARTIAL_NORM;
+                    } else {
+                        hdr.thc.type_ = THC_TYPE_PARTIAL;
+                    }
+                    hdr.thc.worker = meta.lf.leaf;
+                }
+#endif
                 hdr.ipv4.totalLen = IPV4_HEADER_BYTES + hdr.udp.length;
                 ipv4_addr_t service_ip = hdr.ipv4.dstAddr;
                 if (hdr.bridge.emit == EMIT_MULTICAST) {
                     hdr.bridge.fanout = 1;
                     ig_tm_md.mcast_grp_a = hdr.bridge.mcast_grp;
+#ifdef THC_LEAF
+                } else if (hdr.bridge.emit == EMIT_PARTIAL) {
+                    hdr.bridge.fanout = 0;
+                    hdr.ipv4.dstAddr = meta.lf.parent_ip;
+                    hdr.udp.dstPort = meta.lf.parent_port;
+                    hdr.ethernet.dstAddr = meta.lf.parent_mac;
+                    ig_tm_md.ucast_egress_port = meta.lf.parent_out;
+                    if (meta.lf.uplink_hit == 0) {
+                        drop();   // no parent configured: nowhere to forward
+                    }
+#endif
                 } else {
                     hdr.bridge.fanout = 0;
                     hdr.ipv4.dstAddr = hdr.ipv4.srcAddr;
@@ -982,11 +1241,15 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
             if (hdr.thc.isValid()) {
                 thc_jobs.apply();
                 worker_bit.apply();
+#ifdef THC_LEAF
+                prepare.apply();
+#else
                 if (hdr.thc.type_ == THC_TYPE_NORM) {
                     prepare_norm();
                 } else {
                     prepare_data();
                 }
+#endif
             }
 
             if (!hdr.ipv4.isValid()) {
@@ -1003,7 +1266,11 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                 if (meta.valid == 1) {
                     bit<8> t = hdr.thc.type_;
                     // ---------------- state table: the pass-1 chain ----------------
+#ifdef THC_LEAF
+                    hdr.bridge.learn = ~meta.lf.from_parent & 1;   // the parent is not a worker
+#else
                     hdr.bridge.learn = 1;
+#endif
                     hdr.bridge.kind = t;
                     hdr.bridge.threshold = meta.job_threshold;
                     hdr.bridge.job_index = meta.job_index;
@@ -1012,14 +1279,35 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                     hdr.bridge.slot = meta.slot;
                     hdr.bridge.switch_mac = meta.switch_mac;
 
+#ifdef THC_LEAF
+                    if (meta.lf.from_parent == 0) {   // the parent's answers leave the slot's round alone
+                        meta.s = slot_check.execute(meta.slot);
+                    }
+#else
                     meta.s = slot_check.execute(meta.slot);
+#endif
                     // One table per register (Tofino places every table that uses a register in that
                     // register's stage): the entries pick the RegisterAction.
                     tag_step.apply();
+#ifdef THC_LEAF
+                    if (meta.tag_res == 1 && meta.lf.from_parent == 0) {
+                        seen_step.apply();
+                        count_step.apply();
+                    }
+                    if (meta.tag_res != 0) {
+                        up_step.apply();
+                    }
+                    if (meta.tag_res == 0) {
+                        meta.lf.notice_round = meta.s[31:16];
+                    } else {
+                        meta.lf.notice_round = meta.lf.up[31:16];   // UPSTREAM_STALE: the parent's round
+                    }
+#else
                     if (meta.tag_res == 1) {
                         seen_step.apply();
                         count_step.apply();
                     }
+#endif
 #ifdef THC_P4TESTGEN
                     // P4Testgen starts the registers with any contents: keep the cells these outputs show
                     // near what the program writes (a round ++ 0x0001; a count of at most THC_MAX_WORKERS,
@@ -1028,13 +1316,57 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                     testgen_assume((meta.s == 0 || meta.s[15:0] == 1) && meta.c[31:8] <= 2
                                    && (bit<32>)meta.c[7:0] <= THC_MAX_WORKERS);
 #endif
+#ifdef THC_LEAF
+                    if (meta.lf.from_parent == 1) {
+                        if (meta.lf.up != 1) {
+                            // not for a FORWARDED bank (a duplicate, another round or kind): nothing
+                            meta.lf.tier_stat = THC_TIER_STALE_PARENT;
+                            meta.lf.count_tier = 1;
+                            drop();
+                        } else if (t == THC_TYPE_STRAGGLER) {
+                            // The bank is UPSTREAM_STALE now; every local worker hears the spine's round in a
+                            // one-tier notice (bitmap 0), from pass 1.
+                            meta.stat = THC_CTR_STRAGGLER;
+                            meta.count_stat = 1;
+                            hdr.bridge.emit = EMIT_STRAGGLER;
+                            hdr.bridge.phase = PHASE_ANSWER;
+                            hdr.bridge.fanout = 1;
+                            ig_tm_md.mcast_grp_a = meta.job_mcast_grp;
+                            answer_common();
+                            hdr.thc.round = meta.lf.spine_round;
+                            hdr.thc.bitmap = 0;
+                            hdr.ipv4.srcAddr = hdr.ipv4.dstAddr;
+                            hdr.udp.srcPort = THC_UDP_PORT;
+                            hdr.ethernet.srcAddr = meta.switch_mac;
+                        } else {
+                            // COMPLETE with the parent's result: pass 2 stores its sums (the lookups keep
+                            // them), count and bitmap, and multicasts it.
+                            to_pass2(OP_SET);
+                            hdr.bridge.job_index = THC_PARENT_ROW;
+                            hdr.bridge.count = hdr.thc.contributors;
+                            hdr.bridge.bitmap = hdr.thc.bitmap;
+                            hdr.bridge.emit = EMIT_MULTICAST;
+                            if (t == THC_TYPE_NORM_RESULT) {
+                                hdr.bridge.kind = THC_TYPE_NORM;
+                            } else {
+                                hdr.bridge.kind = THC_TYPE_DATA;
+                            }
+                        }
+                    } else
+#endif
                     if (meta.s == 0) {
                         start_round();     // FRESH or NEWER: bank b now holds this packet alone
                     } else if (meta.tag_res == 2) {
                         learn_only(THC_CTR_KIND_MISMATCH);
+#ifdef THC_LEAF
+                    } else if (meta.tag_res == 0 || (meta.c[8:8] == 1 && meta.lf.up[7:0] == UP_STALE)) {
+                        // STALE, or UPSTREAM_STALE (the parent said the round is gone): the straggler
+                        // notice goes straight back to the sender (one pass).
+#else
                     } else if (meta.tag_res == 0) {
                         // STALE: the slot has moved on; the straggler notice goes straight back to the
                         // sender with the slot's current round (one pass).
+#endif
                         meta.stat = THC_CTR_STRAGGLER;
                         meta.count_stat = 1;
                         hdr.bridge.emit = EMIT_STRAGGLER;
@@ -1043,7 +1375,11 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                         answer_common();
                         hdr.thc.type_ = THC_TYPE_STRAGGLER;
                         hdr.thc.contributors = 0;
+#ifdef THC_LEAF
+                        hdr.thc.round = meta.lf.notice_round;
+#else
                         hdr.thc.round = meta.s[31:16];
+#endif
                         hdr.thc.elems = 0;
                         hdr.thc.width = 0;
                         hdr.thc.bitmap = 0;
@@ -1064,8 +1400,22 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                             // COMPLETE (duplicate or latecomer): the retained result, adds nothing.
                             to_pass2(OP_READ);
                             hdr.bridge.job_index = THC_NO_ROW;   // the lookups miss: adds 0
+#ifdef THC_LEAF
+                            if (meta.lf.up[7:0] == UP_DONE) {
+                                hdr.bridge.emit = EMIT_RETAINED;   // the parent's result, its contributors
+                                hdr.bridge.count = meta.lf.up[15:8];
+                                meta.stat = THC_CTR_RETAINED;
+                                meta.count_stat = 1;
+                            } else {
+                                // FORWARDED (or its pass 2 still to run): the partial again, to the parent
+                                hdr.bridge.emit = EMIT_PARTIAL;
+                                meta.lf.tier_stat = THC_TIER_FORWARDED_AGAIN;
+                                meta.lf.count_tier = 1;
+                            }
+#else
                             meta.stat = THC_CTR_RETAINED;
                             meta.count_stat = 1;
+#endif
                         } else if (meta.c[9:9] == 1) {
                             learn_only(THC_CTR_DUPLICATE);
                         } else {
@@ -1077,6 +1427,11 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                 if (meta.count_stat == 1) {
                     thc_stats.count(meta.stat);
                 }
+#ifdef THC_LEAF
+                if (meta.lf.count_tier == 1) {
+                    thc_tier_stats.count(meta.lf.tier_stat);
+                }
+#endif
             }
         }
     }
