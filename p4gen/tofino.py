@@ -50,6 +50,9 @@ TARGETS = {  # target -> (architecture include, most elements per packet, defaul
     "tofino": ("tna.p4", 64, 68),     # Tofino 1, 12 stages; port 68: pipe 0's recirculation port
     "tofino2": ("t2na.p4", 160, 6),   # Tofino 2, 20 stages; port 6: a recirculation port of pipe 0
 }
+#: The largest K of the leaf of two-tier jobs (``--leaf``) that bf-p4c places, per target: the leaf's
+#: register and tables take stages and ALUs the lookups had (p4src/tofino/README.md).
+LEAF_MAX_ELEMS = {"tofino": 32, "tofino2": 128}
 MAX_WORKERS = 32  # one 32-bit bitmap cell per bank
 WORD_BITS = 32  # a sum register cell: the lanes of one stateful ALU
 MAX_LOOKUP_KEY_BITS = 8  # adjacent indices of one lookup: at most 2^8 entries per job
@@ -355,7 +358,10 @@ def _validate_entries(rows: list[TcamRow], keys: tuple[tuple[str, str], ...]) ->
 def render(geometry: TofinoGeometry | None = None, template: str | None = None, *, leaf: bool = False) -> str:
     """The program text for ``geometry`` (defaults: ``TofinoGeometry()``); ``leaf``: the leaf of two-tier
     jobs (THC_LEAF defined, the parent's validation rows)."""
-    g = geometry or TofinoGeometry()
+    g = geometry or TofinoGeometry(elems=LEAF_MAX_ELEMS["tofino"] if leaf else None)
+    if leaf and g.elems > LEAF_MAX_ELEMS[g.target]:
+        raise ValueError(f"elems (K) must be at most {LEAF_MAX_ELEMS[g.target]} for the leaf on {g.target} (the "
+                         f"largest K that bf-p4c places with the leaf's tables; p4src/tofino/README.md), got {g.elems}")
     text = TEMPLATE.read_text() if template is None else template
     keys, rows = validate_keys(leaf), table_entries(g, leaf)
     parts = {"@ARCH_INCLUDE@": f"#include <{TARGETS[g.target][0]}>", "@CONFIG@": _config(g),
@@ -386,16 +392,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", type=Path, default=OUTPUT, help=f"where to write (default {OUTPUT})")
     ap.add_argument("--check", action="store_true", help="exit 1 if --output differs from the rendering")
     ap.add_argument("--leaf", action="store_true",
-                    help="render the leaf of two-tier jobs (write it with --output; docs/tofino.md)")
+                    help="render the leaf of two-tier jobs (write it with --output; K defaults to the leaf's largest: "
+                         + ", ".join(f"{k} for {t}" for t, k in LEAF_MAX_ELEMS.items()) + "; docs/tofino.md)")
     args = ap.parse_args(argv)
+    if args.leaf and args.elems is None:
+        args.elems = LEAF_MAX_ELEMS[args.target]
     try:
         g = TofinoGeometry(args.elems, args.bits, args.result_bits, args.slots, args.jobs, args.recirc_port,
                            args.target)
+        text = render(g, leaf=args.leaf)
     except ValueError as exc:
         ap.error(str(exc))
     if args.leaf and args.output == OUTPUT:
         ap.error(f"--leaf needs --output: {OUTPUT} is the one-tier program")
-    return write_or_check(render(g, leaf=args.leaf), args.output, check=args.check, script="p4gen/tofino.py")
+    return write_or_check(text, args.output, check=args.check, script="p4gen/tofino.py")
 
 
 if __name__ == "__main__":

@@ -21,12 +21,15 @@ import p4gen.tofino as gen
 from aggregator.bfrt import (
     EGRESS_REGISTERS,
     INGRESS_REGISTERS,
+    LEAF_INGRESS_REGISTERS,
     TofinoJob,
     TofinoPlan,
     TofinoProgram,
     bfrt_load_script,
+    bfrt_stats_script,
     tofino_geometry,
 )
+from aggregator.switch.entries import Uplink
 from tests.p4_support import INCLUDE_DIR, P4_DIR, preprocess
 from tests.test_p4_headers import parse_consts
 from worker_lib.job import JobConfig
@@ -355,7 +358,8 @@ def test_leaf_validation_table_checks_the_parents_packets_and_the_workers() -> N
                                                        for r in entries) >= 3
 
 
-@pytest.mark.parametrize(("elems", "target"), [(32, "tofino"), (64, "tofino"), (128, "tofino2")])
+@pytest.mark.parametrize(("elems", "target"), [(8, "tofino"), (gen.LEAF_MAX_ELEMS["tofino"], "tofino"),
+                                              (gen.LEAF_MAX_ELEMS["tofino2"], "tofino2")])
 def test_p4test_accepts_the_leaf_program(tmp_path: Path, elems: int, target: str) -> None:
     """The leaf of two-tier jobs (p4gen.tofino --leaf) passes the front end, and it is the template's
     THC_LEAF blocks: the one-tier program has none of its names."""
@@ -375,26 +379,33 @@ def test_leaf_command_line_needs_an_output(tmp_path: Path, capsys: pytest.Captur
     with pytest.raises(SystemExit):
         gen.main(["--leaf"])
     assert "--leaf needs --output" in capsys.readouterr().err
-    assert gen.main(["--leaf", "--elems", "32", "--output", str(tmp_path / "leaf.p4")]) == 0
-    assert (tmp_path / "leaf.p4").read_text() == gen.render(gen.TofinoGeometry(elems=32), leaf=True)
+    assert gen.main(["--leaf", "--output", str(tmp_path / "leaf.p4")]) == 0
+    assert (tmp_path / "leaf.p4").read_text() == gen.render(leaf=True)
+    assert f"K={gen.LEAF_MAX_ELEMS['tofino']}," in (tmp_path / "leaf.p4").read_text().splitlines()[0]
+    with pytest.raises(SystemExit):
+        gen.main(["--leaf", "--elems", str(gen.LEAF_MAX_ELEMS["tofino"] + 8), "--output", str(tmp_path / "x.p4")])
+    assert "for the leaf on tofino" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("target", ["tofino", "tofino2"])
-def test_bf_p4c_compiles_the_program(tmp_path: Path, target: str) -> None:
+@pytest.mark.parametrize(("target", "leaf"), [("tofino", False), ("tofino2", False), ("tofino", True),
+                                            ("tofino2", True)],
+                         ids=["tofino", "tofino2", "tofino-leaf", "tofino2-leaf"])
+def test_bf_p4c_compiles_the_program(tmp_path: Path, target: str, leaf: bool) -> None:
     """Where the Tofino back end (bf-p4c) is installed, the program compiles for Tofino 1 (the checked-in
-    file, K = 64) and Tofino 2 (rendered with --target tofino2, K = 160), and every table, key, action,
+    file, K = 64) and Tofino 2 (rendered with --target tofino2, K = 160), and so does the leaf of two-tier
+    jobs (p4gen.tofino --leaf, at the largest K the generator allows it); every table, key, action,
     parameter, register and counter that the bfrt load and stats scripts name exists in the compiler's
     bfrt.json under that name."""
     bf = shutil.which("bf-p4c") or shutil.which("p4c-barefoot")
     if bf is None:
         pytest.skip("needs bf-p4c or p4c-barefoot (the Tofino compiler back end, p4c backends/tofino or Intel's "
                     "SDE) on PATH; p4src/tofino/README.md says what it reported of this program where it ran")
-    g = gen.TofinoGeometry(target=target)
+    g = gen.TofinoGeometry(target=target, elems=gen.LEAF_MAX_ELEMS[target] if leaf else None)
     program = PROGRAM
-    if target != "tofino":
+    if target != "tofino" or leaf:
         program = tmp_path / "src" / "thc.p4"
         program.parent.mkdir()
-        program.write_text(gen.render(g))
+        program.write_text(gen.render(g, leaf=leaf))
         shutil.copy(P4_DIR / "tofino" / "parser.p4", program.parent / "parser.p4")
     out = tmp_path / "out"
     cmd = [bf, "--target", target, "--arch", g.arch, "-I", str(INCLUDE_DIR), "-o", str(out), str(program)]
@@ -403,12 +414,17 @@ def test_bf_p4c_compiles_the_program(tmp_path: Path, target: str) -> None:
     assert (out / "pipe" / f"{target}.bin").is_file()
 
     bfrt = {t["name"]: t for t in json.loads((out / "bfrt.json").read_text())["tables"]}
-    job = JobConfig(job=7, workers=3, threshold=2, elems=g.elems, result_bits=8, slots=16)
+    if leaf:
+        job = JobConfig(job=7, leaves=(3, 2), workers=5, elems=g.elems, result_bits=8, slots=16)
+        uplink = Uplink(leaf=0, leaves=2, ip="10.0.9.1", port=9451, mac="02:00:00:00:09:01", out_port=12)
+    else:
+        job, uplink = JobConfig(job=7, workers=3, threshold=2, elems=g.elems, result_bits=8, slots=16), None
     plan = TofinoPlan(jobs=(TofinoJob(job, (1, 2, 3)),), services=(("10.0.0.100", "02:00:00:00:01:00"),),
                       routes=(("10.0.1.0/24", "00:00:00:00:00:07", 7),),
-                      program=TofinoProgram(geometry=tofino_geometry(g)))
-    calls = re.findall(r"^ing\.([\w.]+)\.add_with_(\w+)\((.*)\)$", bfrt_load_script(plan), re.M)
-    assert calls
+                      program=TofinoProgram(geometry=tofino_geometry(g), leaf=leaf), uplink=uplink)
+    script = bfrt_load_script(plan)
+    calls = re.findall(r"^ing\.([\w.]+)\.(?:add|set_default)_with_(\w+)\((.*)\)$", script, re.M)
+    assert calls and leaf == any(t == "thc_uplink" for t, _, _ in calls)
     suffix = {"Exact": [""], "LPM": ["", "_p_length"], "Ternary": ["", "_mask"]}
     for table, action, args in calls:
         t = bfrt[f"pipe.ThcIngress.{table}"]
@@ -419,10 +435,16 @@ def test_bf_p4c_compiles_the_program(tmp_path: Path, target: str) -> None:
         spec = next(a for a in t["action_specs"] if a["name"] == f"{control}.{action}")
         given = {kw.split("=", 1)[0].strip() for kw in args.split(",")}
         assert given == keys | {p["name"] for p in spec["data"]}, (table, action)
-    for ctl, regs in (("ThcIngress", INGRESS_REGISTERS), ("ThcEgress", EGRESS_REGISTERS)):
+    ingress = {**INGRESS_REGISTERS, **(LEAF_INGRESS_REGISTERS if leaf else {})}
+    for ctl, regs in (("ThcIngress", ingress), ("ThcEgress", EGRESS_REGISTERS)):
         for name, fields in regs.items():
             t = bfrt[f"pipe.{ctl}.{name}"]
             assert t["table_type"] == "Register"
             assert [d["singleton"]["name"].rsplit(".", 1)[-1] for d in t["data"]] == list(fields)
-    for counter, size in (("thc_stats", 20), ("thc_rx", 1), ("thc_accepted", 2), ("thc_completed", 1)):
+            assert f"{'ing' if ctl == 'ThcIngress' else 'egr'}.{name}.clear()" in script
+    counters = [("thc_stats", 20), ("thc_rx", 1), ("thc_accepted", 2), ("thc_completed", 1)]
+    counters += [("thc_tier_stats", 3), ("thc_forwarded", 1)] if leaf else []
+    stats = bfrt_stats_script(TofinoProgram(leaf=leaf))
+    for counter, size in counters:
         assert bfrt[f"pipe.ThcIngress.{counter}"]["size"] == size
+        assert f"_cells(ing.{counter}, {size})" in stats
