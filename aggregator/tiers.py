@@ -49,6 +49,27 @@ def _two_tier(cfg: JobConfig) -> JobConfig:
     return cfg
 
 
+def validate_parent(hdr: Header, length: int, cfg: JobConfig | None, tier: JobConfig | None, shard: int = 0,
+                    shards: int = 1) -> Counter | None:
+    """The checks of a packet from a leaf's parent (docs/protocol.md, "Leaf state table"), in order: the
+    counter of the first that fails (None: valid). ``cfg`` is the leaf's one-tier job, ``tier`` the
+    two-tier job (the spine's answers carry a leaf's index)."""
+    if hdr.version != VERSION:
+        return Counter.BAD_VERSION
+    if hdr.type not in (PacketType.RESULT, PacketType.NORM_RESULT, PacketType.STRAGGLER):
+        return Counter.BAD_TYPE
+    failed = check_addressing(hdr, cfg, shard, shards, len(tier.leaves) if tier else None)
+    if failed is not None:
+        return Counter[failed]
+    expect = {PacketType.RESULT: (cfg.elems, cfg.result_bits, HEADER_BYTES + cfg.result_bytes),
+              PacketType.NORM_RESULT: (1, 32, HEADER_BYTES + 4)}.get(hdr.type, (0, 0, HEADER_BYTES))
+    if (hdr.elems, hdr.width, length) != expect:
+        return Counter.BAD_FORMAT
+    if hdr.type == PacketType.STRAGGLER and hdr.bitmap >> ROUND_BITS:
+        return Counter.BAD_FORMAT  # a spine's notice names the refused partial's round in bitmap
+    return None
+
+
 class SpineAggregator(ReferenceAggregator):
     """The spine's state table for a set of two-tier jobs (configured with their whole ``JobConfig``)."""
 
@@ -178,24 +199,9 @@ class LeafAggregator(ReferenceAggregator):
         return bank.forwarded and not bank.complete and bank.upstream_round is None
 
     def _validate_parent(self, hdr: Header, length: int, payload: bytes) -> Counter | None:
-        """The checks of a packet from the parent (docs/protocol.md, "Leaf state table")."""
-        if hdr.version != VERSION:
-            return Counter.BAD_VERSION
-        if hdr.type not in (PacketType.RESULT, PacketType.NORM_RESULT, PacketType.STRAGGLER):
-            return Counter.BAD_TYPE
         job = self.jobs.get(hdr.job)
-        cfg = job.cfg if job is not None else None
-        tier = self.tier_jobs.get(hdr.job)  # the spine's answers carry a leaf's index
-        failed = check_addressing(hdr, cfg, self.shard, self.shards, len(tier.leaves) if tier else None)
-        if failed is not None:
-            return Counter[failed]
-        expect = {PacketType.RESULT: (cfg.elems, cfg.result_bits, HEADER_BYTES + cfg.result_bytes),
-                  PacketType.NORM_RESULT: (1, 32, HEADER_BYTES + 4)}.get(hdr.type, (0, 0, HEADER_BYTES))
-        if (hdr.elems, hdr.width, length) != expect:
-            return Counter.BAD_FORMAT
-        if hdr.type == PacketType.STRAGGLER and hdr.bitmap >> ROUND_BITS:
-            return Counter.BAD_FORMAT  # a spine's notice names the refused partial's round in bitmap
-        return None
+        return validate_parent(hdr, length, job.cfg if job else None, self.tier_jobs.get(hdr.job), self.shard,
+                               self.shards)
 
     def _held(self, job: Job, bank: Bank, hdr: Header) -> list[TierOutput] | None:
         assert isinstance(bank, LeafBank)
