@@ -50,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the N aggregators in member order (default 0/1: the only one)")
     p.add_argument("--role", choices=("flat", "leaf", "spine"), default="flat",
                    help="flat (default): the one-tier aggregator; leaf or spine: a tier of a two-tier job "
-                        "(job option leaves=N0:N1:..., docs/protocol.md 'Two tiers'), served by the reference "
-                        "state machine with --host, --port, --job/--config, --batch and --stats-interval only")
+                        "(job option leaves=N0:N1:..., docs/protocol.md 'Two tiers'), with --host, --port, "
+                        "--job/--config, --batch, --engine (a leaf) and --stats-interval only; a spine runs the "
+                        "reference state machine")
     p.add_argument("--leaf", type=int_in(0, 31), metavar="L", help="--role leaf: this leaf's index in leaves=")
     p.add_argument("--upstream", type=host_port, metavar="HOST:PORT", help="--role leaf: the spine's address")
     p.add_argument("--parent-loss", type=float_in(0, 0.99), default=0.0, metavar="P",
@@ -63,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--multicast", action="store_true",
                    help="send results once to each job's multicast group (job option multicast=GROUP:PORT)")
     p.add_argument("--batch", type=int_in(1, 4096), default=256, help="datagrams per recvmmsg/sendmmsg (default 256)")
-    p.add_argument("--engine", choices=("compiled", "numpy"), default="compiled",
-                   help="the state table as one compiled loop (numba; default) or as numpy batch operations")
+    p.add_argument("--engine", choices=("compiled", "numpy", "reference"), default="compiled",
+                   help="the state table as one compiled loop (numba; default) or as numpy batch operations; "
+                        "--role leaf also takes reference (the reference leaf, one datagram at a time)")
     p.add_argument("--busy-poll", action="store_true", help="spin on the socket instead of sleeping in select")
     p.add_argument("--gro", action="store_true",
                    help="read runs of datagrams that arrive whole as one message (UDP_GRO), where the kernel "
@@ -89,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: Options of the one-tier server that a tier does not take.
-_FLAT_ONLY = ("shards", "member", "multicast", "engine", "busy_poll", "gro", "metrics_port", "control",
+_FLAT_ONLY = ("shards", "member", "multicast", "busy_poll", "gro", "metrics_port", "control",
               "control_token_file", "pcap")
 
 
@@ -103,6 +105,8 @@ def _refused(exc: Exception) -> int:
 def serve_tier(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``--role leaf|spine``: serve a tier of two-tier jobs until a signal."""
     given = [f"--{name.replace('_', '-')}" for name in _FLAT_ONLY if getattr(args, name) != parser.get_default(name)]
+    if args.role == "spine" and args.engine not in (parser.get_default("engine"), "reference"):
+        given.append(f"--engine {args.engine} (a spine runs the reference state machine)")
     if given:
         print(f"thc-aggregator: --role {args.role} does not take {', '.join(given)}", file=sys.stderr)
         return 2
@@ -111,7 +115,7 @@ def serve_tier(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         server = TierServer(TierServerConfig(args.role, jobs, host=args.host, port=args.port, leaf=args.leaf,
                                              upstream=args.upstream, batch=args.batch,
                                              stats_interval=args.stats_interval, parent_loss=args.parent_loss,
-                                             seed=args.seed),
+                                             seed=args.seed, engine=args.engine),
                             out=lambda s: print(s, flush=True))
     except (ValueError, OSError) as exc:  # JobConfigError is a ValueError
         return _refused(exc)

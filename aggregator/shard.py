@@ -90,6 +90,69 @@ class WorkerAddresses:
         self._known_addr = None
 
 
+class AddressBook:
+    """The learned worker addresses of a set of jobs, and where each completion of a batch goes: the
+    addresses known when its packet arrived, as if the batch were handled one packet at a time."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[int, WorkerAddresses] = {}
+        #: per job taught a new address by the current batch: (addresses and known before it, its rows, workers)
+        self._moves: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def start_batch(self) -> None:
+        self._moves.clear()
+
+    def learn(self, rx_addr: np.ndarray, rows: np.ndarray, jobs: np.ndarray, workers: np.ndarray) -> None:
+        """Remember the source address (``rx_addr`` row) of worker ``workers[k]`` of job ``jobs[k]`` (rx row
+        ``rows[k]``, ascending). Where the batch teaches a job a new address, the table before the batch
+        and the batch's teaching rows are kept, for ``destinations``."""
+        if rows.size == 0:
+            return
+        if rows.size == 1:  # the common batch on a lightly loaded link: scalars, no set operations
+            tab = self.jobs.get(int(jobs[0]))
+            r, w = int(rows[0]), int(workers[0])
+            if tab is not None and not (tab.known[w] and np.array_equal(tab.addr[w], rx_addr[r])):
+                self._moves[int(jobs[0])] = (tab.addr.copy(), tab.known.copy(), rows, workers)
+                tab.learn(w, rx_addr[r])
+            return
+        for j in np.unique(jobs).tolist():
+            sel = jobs == j
+            tab = self.jobs.get(j)
+            if tab is None:
+                continue
+            r, w = rows[sel], workers[sel]
+            a = rx_addr[r]
+            if (~tab.known[w]).any() or (tab.addr[w] != a).any():
+                self._moves[j] = (tab.addr.copy(), tab.known.copy(), r, w)
+                for row, wk in zip(r.tolist(), w.tolist(), strict=True):  # in order: the last one stays
+                    tab.learn(wk, rx_addr[row])
+
+    def changed(self, job: int) -> bool:
+        """Whether this batch taught ``job`` an address (its answers may then need ``destinations`` each)."""
+        return job in self._moves
+
+    def destinations(self, rx_addr: np.ndarray, job: int, row: int, multicast: bool = False) -> np.ndarray | None:
+        """Addresses a completion of ``job`` caused by rx row ``row`` goes to: its multicast group (where
+        ``multicast``), or the workers whose addresses were known once that row had been learned."""
+        tab = self.jobs.get(job)
+        if tab is None:
+            return None
+        if multicast and tab.group is not None:
+            return tab.group
+        moves = self._moves.get(job)
+        if moves is None:
+            dests = tab.known_addresses()
+        else:
+            addr, known, rows, workers = moves
+            addr, known = addr.copy(), known.copy()
+            k = int(np.searchsorted(rows, row, side="right"))
+            for r, w in zip(rows[:k].tolist(), workers[:k].tolist(), strict=True):
+                addr[w] = rx_addr[r]
+                known[w] = True
+            dests = addr[known]
+        return dests if len(dests) else None
+
+
 class Shard:
     """One shard: a socket, a state machine, and the loop between them."""
 
@@ -109,9 +172,7 @@ class Shard:
         self.dar = DarAggregator(shard=index, shards=count, stride=cfg.stride)
         if dar_counters is not None:
             self.dar.counters = dar_counters
-        self.addrs: dict[int, WorkerAddresses] = {}
-        #: per job taught a new address by the current batch: (addresses and known before it, its rows, workers)
-        self._moves: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.book = AddressBook()
         self.set_jobs(jobs)
         self.pcap = None
         if cfg.pcap is not None:
@@ -127,17 +188,17 @@ class Shard:
         for jid in list(self.agg.jobs):
             if jid not in wanted or wanted[jid].kind == "dar":
                 self.agg.remove_job(jid)
-                self.addrs.pop(jid, None)
+                self.book.jobs.pop(jid, None)
         for jid in list(self.dar.jobs):
             if jid not in wanted or wanted[jid].kind != "dar":
                 self.dar.remove_job(jid)
-                self.addrs.pop(jid, None)
+                self.book.jobs.pop(jid, None)
         for jid, cfg in wanted.items():
             table = self.dar if cfg.kind == "dar" else self.agg
             cur = table.jobs.get(jid)
             if cur is None or cur.cfg != cfg:
                 table.add_job(cfg)
-                self.addrs[jid] = WorkerAddresses(cfg)
+                self.book.jobs[jid] = WorkerAddresses(cfg)
 
     def step(self, timeout: float) -> int:
         """One iteration: receive a batch (waiting up to ``timeout`` unless busy polling), process, send.
@@ -164,7 +225,7 @@ class Shard:
         """Process and answer the ``n`` datagrams in ``io.rx`` (sources in ``io.rx_addr``): the same
         datagrams to the same addresses as handling them one at a time, in order."""
         io = self.io
-        self._moves.clear()
+        self.book.start_batch()
         if self.pcap is not None:
             for i in range(n):
                 self.pcap.write(sockaddr_to_tuple(io.rx_addr[i]), self.local, io.rx[i, : io.rx_len[i]].tobytes())
@@ -172,7 +233,7 @@ class Shard:
         if not is_dar.any():
             out = self.agg.process(io.rx[:n], io.rx_len[:n])
             good = self.agg.last_good
-            self._learn(good, self.agg.last_job[good], self.agg.last_worker[good])
+            self.book.learn(io.rx_addr, good, self.agg.last_job[good], self.agg.last_worker[good])
             if out.count:
                 self._send(out, np.arange(n))
             return
@@ -182,62 +243,19 @@ class Shard:
         if rest.size:  # a batch mixing kinds (rare): the state machine gets the others, compacted
             out = self.agg.process(np.ascontiguousarray(io.rx[rest]), io.rx_len[rest])
             good = self.agg.last_good
-            self._learn(rest[good], self.agg.last_job[good], self.agg.last_worker[good])
+            self.book.learn(io.rx_addr, rest[good], self.agg.last_job[good], self.agg.last_worker[good])
             if out.count:
                 self._send(out, rest)
         sub = io.rx[:n] if rest.size == 0 else np.ascontiguousarray(io.rx[dar_rows])
         dout = self.dar.process(sub, io.rx_len[dar_rows])
         if dout.good_rows:
-            self._learn(dar_rows[dout.good_rows], np.asarray(dout.good_jobs), np.asarray(dout.good_workers))
+            self.book.learn(io.rx_addr, dar_rows[dout.good_rows], np.asarray(dout.good_jobs),
+                            np.asarray(dout.good_workers))
         if dout.sends:
             self._send_dar(dout, dar_rows)
 
-    def _learn(self, rows: np.ndarray, jobs: np.ndarray, workers: np.ndarray) -> None:
-        """Remember the source address of worker ``workers[k]`` of job ``jobs[k]`` (rx row ``rows[k]``,
-        ascending). Where the batch teaches a job a new address, the table before the batch and the
-        batch's teaching rows are kept (``_moves``), so that each completion goes to the addresses
-        known when its packet arrived, as one by one."""
-        if rows.size == 0:
-            return
-        if rows.size == 1:  # the common batch on a lightly loaded link: scalars, no set operations
-            tab = self.addrs.get(int(jobs[0]))
-            r, w = int(rows[0]), int(workers[0])
-            if tab is not None and not (tab.known[w] and np.array_equal(tab.addr[w], self.io.rx_addr[r])):
-                self._moves[int(jobs[0])] = (tab.addr.copy(), tab.known.copy(), rows, workers)
-                tab.learn(w, self.io.rx_addr[r])
-            return
-        for j in np.unique(jobs).tolist():
-            sel = jobs == j
-            tab = self.addrs.get(j)
-            if tab is None:
-                continue
-            r, w = rows[sel], workers[sel]
-            a = self.io.rx_addr[r]
-            if (~tab.known[w]).any() or (tab.addr[w] != a).any():
-                self._moves[j] = (tab.addr.copy(), tab.known.copy(), r, w)
-                for row, wk in zip(r.tolist(), w.tolist(), strict=True):  # in order: the last one stays
-                    tab.learn(wk, self.io.rx_addr[row])
-
     def _destinations(self, job: int, row: int) -> np.ndarray | None:
-        """Addresses a completion of ``job`` caused by rx row ``row`` goes to: its multicast group, or
-        the workers whose addresses were known once that row had been learned."""
-        tab = self.addrs.get(job)
-        if tab is None:
-            return None
-        if self.cfg.multicast and tab.group is not None:
-            return tab.group
-        moves = self._moves.get(job)
-        if moves is None:
-            dests = tab.known_addresses()
-        else:
-            addr, known, rows, workers = moves
-            addr, known = addr.copy(), known.copy()
-            k = int(np.searchsorted(rows, row, side="right"))
-            for r, w in zip(rows[:k].tolist(), workers[:k].tolist(), strict=True):
-                addr[w] = self.io.rx_addr[r]
-                known[w] = True
-            dests = addr[known]
-        return dests if len(dests) else None
+        return self.book.destinations(self.io.rx_addr, job, row, self.cfg.multicast)
 
     def _send_dar(self, out: DarOutputs, rx_rows: np.ndarray) -> None:
         """Send the DAR path's datagrams (result fragments fanned out, unicast answers to senders);
@@ -282,7 +300,7 @@ class Shard:
                 ms = fo[jobs == j]
                 # One destination set for all of a job's completions, unless this batch taught the job
                 # an address: then each completion gets the set known at its own packet.
-                groups = [ms] if j not in self._moves else [ms[i:i + 1] for i in range(ms.size)]
+                groups = [ms] if not self.book.changed(j) else [ms[i:i + 1] for i in range(ms.size)]
                 for g in groups:
                     dests = self._destinations(j, int(rx_rows[out.src[g[-1]]]))
                     if dests is None:

@@ -1,10 +1,11 @@
 """``thc-aggregator --role leaf|spine``: the two-tier state machines served over UDP.
 
-A leaf (``aggregator.tiers.LeafAggregator``) serves its local workers on its port and talks to its
-parent (the spine) from the same socket; a spine (``SpineAggregator``) serves the leaves. Datagrams are
-read and written in batches (recvmmsg/sendmmsg, ``worker_lib.batch_io``), and each is handled by the
-reference state machine, one at a time: these roles run at the reference's speed (docs/aggregator.md,
-"Two tiers", has the figure), not the batch engine's.
+A leaf serves its local workers on its port and talks to its parent (the spine) from the same socket;
+a spine (``SpineAggregator``) serves the leaves. Datagrams are read and written in batches
+(recvmmsg/sendmmsg, ``worker_lib.batch_io``). A leaf applies each batch with the batch engine
+(``aggregator.leaf_engine.LeafEngine``, compiled or numpy, as ``--engine`` says), or with ``--engine
+reference`` the reference (``aggregator.tiers.LeafAggregator``) one datagram at a time; the spine runs
+the reference (docs/aggregator.md, "Two tiers", has the figures).
 
 Addresses are learned as docs/protocol.md says: the sender of every packet that passes validation is
 the address of its (job, worker) -- a spine's workers are its leaves -- and a packet for every worker
@@ -24,6 +25,8 @@ from typing import Literal
 
 import numpy as np
 
+from aggregator.leaf_engine import LeafEngine
+from aggregator.shard import AddressBook, WorkerAddresses
 from aggregator.tiers import Dest, LeafAggregator, SpineAggregator
 from worker_lib.batch_io import BatchSocket, sockaddr_in, udp_socket
 from worker_lib.job import JobConfig, JobConfigError
@@ -32,6 +35,7 @@ from worker_lib.wire.protocol import Counter, TierCounter
 log = logging.getLogger(__name__)
 
 Role = Literal["leaf", "spine"]
+ENGINES = ("compiled", "numpy", "reference")  #: a leaf's state machine (a spine's is the reference)
 
 
 @dataclass
@@ -51,8 +55,11 @@ class TierServerConfig:
     #: of loss on the leaf-spine link, where tc netem is not available)
     parent_loss: float = 0.0
     seed: int = 0
+    engine: str = "compiled"  #: a leaf: ENGINES; a spine runs the reference
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if not 0.0 <= self.parent_loss < 1.0:
             raise ValueError(f"parent loss must be in [0, 1), got {self.parent_loss}")
         if self.role not in ("leaf", "spine"):
@@ -75,15 +82,22 @@ class TierServer:
 
     def __init__(self, cfg: TierServerConfig, *, out: Callable[[str], None] = print) -> None:
         self.cfg, self.out = cfg, out
+        self.engine: LeafEngine | None = None
+        if cfg.role == "leaf" and cfg.engine != "reference":
+            self.engine = LeafEngine(cfg.leaf, cfg.jobs, max_batch=cfg.batch, compiled=cfg.engine == "compiled")
+            self.book = AddressBook()
+            self.book.jobs = {job.job: WorkerAddresses(job.leaf(cfg.leaf)) for job in cfg.jobs}
         if cfg.role == "leaf":
-            self.machine: LeafAggregator | SpineAggregator = LeafAggregator(cfg.leaf, cfg.jobs)
+            self.machine: LeafAggregator | SpineAggregator | LeafEngine = (
+                self.engine if self.engine is not None else LeafAggregator(cfg.leaf, cfg.jobs))
             self.parent = sockaddr_in(socket.gethostbyname(cfg.upstream[0]), cfg.upstream[1])
         else:
             self.machine = SpineAggregator(cfg.jobs)
             self.parent = b""
         self.sock = udp_socket(cfg.host, cfg.port)
         longest = max(32 + job.elems * job.result_bits // 8 for job in cfg.jobs)
-        self.io = BatchSocket(self.sock, batch=cfg.batch, stride=max(longest, 1500), max_send=4096)
+        stride = self.engine.engine.stride if self.engine is not None else max(longest, 1500)
+        self.io = BatchSocket(self.sock, batch=cfg.batch, stride=stride, max_send=4096)
         self.port = self.sock.getsockname()[1]
         self.addresses: dict[int, dict[int, bytes]] = {job.job: {} for job in cfg.jobs}  # job -> worker -> sockaddr
         self._tx = np.zeros((self.io.max_send, longest), np.uint8)
@@ -106,9 +120,10 @@ class TierServer:
 
     def totals(self) -> dict[str, int]:
         """Non-zero counters by label (``Counter`` and, for a leaf, ``TierCounter``)."""
-        out = {c.label: self.machine.counters[c] for c in Counter if self.machine.counters[c]}
-        if isinstance(self.machine, LeafAggregator):
-            out.update({c.label: self.machine.tier_counters[c] for c in TierCounter if self.machine.tier_counters[c]})
+        out = {c.label: int(self.machine.counters[c]) for c in Counter if self.machine.counters[c]}
+        if self.cfg.role == "leaf":
+            tier = self.machine.tier_counters  # type: ignore[union-attr]
+            out.update({c.label: int(tier[c]) for c in TierCounter if tier[c]})
             if self.parent_dropped:
                 out["parent_dropped"] = self.parent_dropped
         return out
@@ -126,6 +141,8 @@ class TierServer:
 
     def step(self) -> int:
         """Receive one batch, handle its datagrams in arrival order, send what they caused."""
+        if self.engine is not None:
+            return self._step_engine()
         n = self.io.recv()
         sends: list[tuple[bytes, bytes]] = []  # (packet, sockaddr)
         machine = self.machine
@@ -154,6 +171,56 @@ class TierServer:
                     job = int.from_bytes(out[2:4], "big")
                     sends.extend((out, a) for a in self.addresses.get(job, {}).values())
         self._send(sends)
+        return n
+
+    def _step_engine(self) -> int:
+        """A leaf's batch through the leaf engine: the same datagrams to the same addresses as the
+        reference handling them one by one (up to their order across slots)."""
+        io = self.io
+        n = io.recv()
+        if n == 0:
+            return 0
+        rx, lengths, addr = io.rx[:n], io.rx_len[:n], io.rx_addr[:n]
+        rows = np.arange(n)
+        from_parent = (addr[:, :8] == np.frombuffer(self.parent[:8], np.uint8)).all(axis=1)
+        if self.cfg.parent_loss and from_parent.any():
+            lost = from_parent & (self._rng.random(n) < self.cfg.parent_loss)
+            if lost.any():
+                self.parent_dropped += int(lost.sum())
+                rows = np.flatnonzero(~lost)
+                rx, lengths, addr, from_parent = (np.ascontiguousarray(x[rows]) for x in (rx, lengths, addr,
+                                                                                          from_parent))
+        assert self.engine is not None
+        out = self.engine.process(rx, lengths, from_parent)
+        self.book.start_batch()
+        good = self.engine.last_good
+        self.book.learn(addr, good, self.engine.last_job, self.engine.last_worker)
+        m = out.count
+        if m == 0:
+            return n
+        dest = out.dest[:m]
+        sel_rows: list[np.ndarray] = []
+        sel_addr: list[np.ndarray] = []
+        uni = np.flatnonzero(dest == Dest.SENDER)
+        if uni.size:
+            sel_rows.append(uni)
+            sel_addr.append(addr[out.src[uni]])
+        up = np.flatnonzero(dest == Dest.PARENT)
+        if self.cfg.parent_loss and up.size:
+            lost = self._rng.random(up.size) < self.cfg.parent_loss
+            self.parent_dropped += int(lost.sum())
+            up = up[~lost]
+        if up.size:
+            sel_rows.append(up)
+            sel_addr.append(np.repeat(np.frombuffer(self.parent, np.uint8)[None, :], up.size, axis=0))
+        for k in np.flatnonzero(dest == Dest.ALL).tolist():
+            dests = self.book.destinations(addr, int(out.job[k]), int(out.src[k]))
+            if dests is not None:
+                sel_rows.append(np.full(len(dests), k))
+                sel_addr.append(dests)
+        if sel_rows:
+            r = np.concatenate(sel_rows)
+            io.send(out.buf, r, out.length[r], np.concatenate(sel_addr))
         return n
 
     def _lose(self) -> bool:

@@ -81,15 +81,16 @@ def local_aggregator(jobs: Sequence[JobConfig], *, host: str = "127.0.0.1", shar
 
 
 @contextlib.contextmanager
-def local_tiers(job: JobConfig, *, host: str = "127.0.0.1", parent_loss: float = 0.0,
-                seed: int = 0) -> Iterator[tuple[tuple[str, int], list[tuple[str, int]]]]:
+def local_tiers(job: JobConfig, *, host: str = "127.0.0.1", parent_loss: float = 0.0, seed: int = 0,
+                leaf_engine: str = "compiled") -> Iterator[tuple[tuple[str, int], list[tuple[str, int]]]]:
     """Run a two-tier job's aggregators on ``host``: ``thc-aggregator --role spine`` and one ``--role leaf``
-    per leaf (each dropping ``parent_loss`` of its packets to and from the spine, seeded from ``seed``);
-    yields the spine's (host, port) and the leaves', in leaf order."""
+    per leaf (its ``--engine leaf_engine``; each dropping ``parent_loss`` of its packets to and from the
+    spine, seeded from ``seed``); yields the spine's (host, port) and the leaves', in leaf order."""
     with contextlib.ExitStack() as stack:
         spine = stack.enter_context(local_aggregator([job], host=host, extra=["--role", "spine"]))
         leaves = [stack.enter_context(local_aggregator(
             [job], host=host, extra=["--role", "leaf", "--leaf", str(leaf), "--upstream", f"{spine[0]}:{spine[1]}",
-                                     "--parent-loss", str(parent_loss), "--seed", str(seed * 64 + leaf)]))
+                                     "--parent-loss", str(parent_loss), "--seed", str(seed * 64 + leaf),
+                                     "--engine", leaf_engine]))
             for leaf in range(len(job.leaves))]
         yield spine, leaves

@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(their sum must be --workers; docs/protocol.md 'Two tiers')")
     p.add_argument("--parent-loss", type=float_in(0, 0.99), default=0.0, metavar="P",
                    help="with --leaves: each leaf drops this fraction of its packets to and from the spine")
+    p.add_argument("--leaf-engine", choices=("compiled", "numpy", "reference"), default="compiled",
+                   help="with --leaves: the leaves' state machine (thc-aggregator --engine; default compiled)")
     p.add_argument("--aggregator", type=comma_list(host_port, "10.0.0.1:9451,10.0.0.2:9451"), metavar="HOST:PORT",
                    help="use a running aggregator instead of starting one; several, comma-separated, in member "
                         "order: the job's slots spread over them (thc-aggregator --member I/N on each)")
@@ -239,7 +241,7 @@ def run(args: argparse.Namespace) -> dict:
                 raise ValueError("--leaves starts its own spine and leaves: drop --aggregator, --aggregators, "
                                  "--shards and --pcap")
             spine, leaf_addresses = stack.enter_context(local_tiers(job, parent_loss=args.parent_loss,
-                                                                    seed=args.seed))
+                                                                    seed=args.seed, leaf_engine=args.leaf_engine))
             members = [spine]
         elif args.aggregator:
             members = list(args.aggregator)

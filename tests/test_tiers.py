@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from aggregator.engine import Aggregator
+from aggregator.leaf_engine import LeafEngine
 from aggregator.state import ReferenceAggregator
 from aggregator.tiers import Dest, LeafAggregator, SpineAggregator
 from tests.scenarios import TIER_SCENARIOS, check_tier_answer, scenario_packet
@@ -194,11 +195,12 @@ def test_the_spine_names_the_refused_partial_round_in_its_notice() -> None:
 
 
 @pytest.mark.parametrize("scenario", TIER_SCENARIOS, ids=[s["name"] for s in TIER_SCENARIOS])
-def test_tier_scenario_on_the_reference_leaf(scenario: dict) -> None:
-    """The shared two-tier scenarios (tests/scenarios.py, hand-written answers) on the reference leaf;
-    tests/test_bmv2_leaf.py runs the same table on the BMv2 leaf program."""
+@pytest.mark.parametrize("machine", [LeafAggregator, LeafEngine], ids=["reference", "engine"])
+def test_tier_scenario_on_the_software_leaves(scenario: dict, machine: type) -> None:
+    """The shared two-tier scenarios (tests/scenarios.py, hand-written answers) on the reference leaf and
+    the leaf engine; tests/test_bmv2_leaf.py runs the same table on the BMv2 leaf program."""
     cfg = job_from_mapping(dict(scenario["job"]))
-    leaf = LeafAggregator(0, [cfg])
+    leaf = machine(0, [cfg])
     for n, step in enumerate(scenario["steps"]):
         where = f"{scenario['name']} step {n}"
         send = step["send"]
@@ -344,10 +346,12 @@ def test_reliable_recovery_is_exact_whatever_hop_loses_packets(seed: int) -> Non
 
 
 # -- over UDP -------------------------------------------------------------------------------------------
-def test_thc_allreduce_over_two_tiers_is_exact_with_loss_on_every_link() -> None:
+@pytest.mark.parametrize("leaf_engine", ["compiled", "reference"])
+def test_thc_allreduce_over_two_tiers_is_exact_with_loss_on_every_link(leaf_engine: str) -> None:
     out = subprocess.run([sys.executable, "-m", "launchers.allreduce", "--workers", "6", "--leaves", "2:4",
                           "--dim", "20000", "--steps", "2", "--drop-up", "0.05", "--drop-down", "0.05",
-                          "--parent-loss", "0.1", "--json"], capture_output=True, text=True, timeout=180)
+                          "--parent-loss", "0.1", "--leaf-engine", leaf_engine, "--json"],
+                         capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     s = json.loads(out.stdout)
     assert s["exact"] is True and s["lost_chunks"] == 0 and s["consistent_average"] is True
@@ -362,6 +366,8 @@ def test_thc_allreduce_over_two_tiers_is_exact_with_loss_on_every_link() -> None
     (["--role", "spine", "--job", "leaves=2:2", "--leaf", "0"], "are for --role leaf"),
     (["--job", "leaves=2:2"], "--role leaf / --role spine"),
     (["--upstream", "127.0.0.1:9"], "are for --role leaf"),
+    (["--role", "spine", "--job", "leaves=2:2", "--engine", "numpy"], "a spine runs the reference"),
+    (["--job", "workers=2", "--engine", "reference"], "engine must be compiled or numpy"),
 ])
 def test_thc_aggregator_roles_refuse_what_they_cannot_serve_in_one_line(args: list[str], message: str) -> None:
     out = subprocess.run([sys.executable, "-m", "aggregator.cli", "--port", "0", *args], capture_output=True,
