@@ -61,6 +61,22 @@ class LeafOutputs:
         return [(Dest(int(self.dest[m])), self.buf[m, :self.length[m]].tobytes()) for m in range(self.count)]
 
 
+def _last_local_before(buf: np.ndarray, n: int, from_parent: np.ndarray, parents: np.ndarray) -> np.ndarray:
+    """For each parent row, the last worker row before it for the same job and slot (-1: none)."""
+    h = header_view(buf[:n])
+    key = h["job"].astype(np.int64) << 16 | h["slot"].astype(np.int64)
+    local = np.flatnonzero(~np.asarray(from_parent[:n], bool))
+    if local.size == 0:
+        return np.full(parents.size, -1, np.int64)
+    order = (key[local] * (n + 1) + local)
+    order.sort()
+    want = key[parents] * (n + 1) + parents
+    at = np.searchsorted(order, want) - 1
+    found = order[np.maximum(at, 0)]
+    same = (at >= 0) & (found // (n + 1) == key[parents])
+    return np.where(same, found % (n + 1), -1)
+
+
 class LeafJob:
     """The leaf's state of one two-tier job's banks (2 S each), beside the engine's registers."""
 
@@ -127,16 +143,18 @@ class LeafEngine:
         parents = np.flatnonzero(from_parent[:n])
         start = 0
         if parents.size:
-            h = header_view(buf[:n])
-            job, slot = h["job"].astype(np.int64), h["slot"].astype(np.int64)
-            local = ~np.asarray(from_parent[:n], bool)
-            for p in parents.tolist():
-                # A worker packet of this part of the batch for the parent packet's slot came first: apply
-                # that part first. Otherwise the parent packet goes before the part's packets (of other slots).
-                if p > start and (local[start:p] & (job[start:p] == job[p]) & (slot[start:p] == slot[p])).any():
+            # A worker packet of this part of the batch for the parent packet's slot came first: apply that
+            # part first. Otherwise the parent packet goes before the part's packets (of other slots), with
+            # the other parent packets that do.
+            last = _last_local_before(buf, n, from_parent, parents)
+            group: list[int] = []
+            for p, before in zip(parents.tolist(), last.tolist(), strict=True):
+                if before >= start:
+                    self._parents(buf, lengths, group)
                     self._workers(buf, lengths, from_parent, start, p)
-                    start = p
-                self._parent(buf, int(lengths[p]), p)
+                    group, start = [], p
+                group.append(p)
+            self._parents(buf, lengths, group)
         self._workers(buf, lengths, from_parent, start, n)
         if self._good:
             self.last_good, self.last_job, self.last_worker = (np.concatenate(x) for x in zip(*self._good,
@@ -240,6 +258,66 @@ class LeafEngine:
                 sums.astype(result_dtype(lj.width)).view(np.uint8).reshape(data.size, -1))
             hv["width"][data] = lj.width
             out.length[data] = HEADER_BYTES + k * lj.width // 8
+
+    def _parents(self, buf: np.ndarray, lengths: np.ndarray, group: list[int]) -> None:
+        """The parent's packets in rows ``group`` (in order), applied at once where they are the common
+        case: valid RESULTs / NORM_RESULTs of one job, for distinct banks. Otherwise one by one."""
+        if not group:
+            return
+        rows = np.array(group)
+        lens = np.asarray(lengths)[rows].astype(np.int64)
+        hv = header_view(buf)
+        h = {f: hv[f][rows] for f in hv.dtype.names} if (lens >= HEADER_BYTES).all() else None  # fields alone
+        lj = self.tier_jobs.get(int(h["job"][0])) if h is not None else None
+        js = self.engine.jobs.get(int(h["job"][0])) if h is not None else None
+        if h is None or lj is None or js is None or len(group) < 4:
+            for p in group:
+                self._parent(buf, int(lengths[p]), p)
+            return
+        cfg = js.cfg
+        typ, slot, rnd = (h[f].astype(np.int64) for f in ("type", "slot", "round"))
+        data = typ == _RESULT
+        eng = self.engine
+        ok = ((h["job"] == cfg.job) & (h["version"] == 1) & (data | (typ == _NORM_RESULT)) & (h["key"] == cfg.key)
+              & (h["table_id"] == cfg.table_id) & (h["worker"] < len(lj.tier.leaves)) & (slot < cfg.slots)
+              & (slot % eng.shards == eng.shard)
+              & (h["elems"] == np.where(data, cfg.elems, 1)) & (h["width"] == np.where(data, cfg.result_bits, 32))
+              & (lens == HEADER_BYTES + np.where(data, cfg.result_bytes, 4)))
+        idx = 2 * slot + (rnd & 1)
+        if not ok.all() or np.unique(idx).size != idx.size:
+            for p in group:
+                self._parent(buf, int(lengths[p]), p)
+            return
+        c = eng.counters
+        c[Counter.RX] += rows.size
+        kind = np.where(data, int(PacketType.DATA), int(PacketType.NORM))
+        take = ((lj.state[idx] == UP_FORWARDED) & (lj.round[idx] == rnd) & (js.bank_round[idx] == rnd)
+                & js.complete[idx] & (js.kind[idx] == kind))
+        self.tier_counters[TierCounter.STALE_PARENT] += int((~take).sum())
+        if not take.any():
+            return
+        rows, idx, slot, rnd, data = rows[take], idx[take], slot[take], rnd[take], data[take]
+        lj.state[idx] = UP_DONE
+        js.count[idx] = h["contributors"][take]
+        js.bitmap[idx] = h["bitmap"][take]
+        if data.any():
+            k = cfg.elems
+            raw = np.ascontiguousarray(buf[rows[data], HEADER_BYTES:HEADER_BYTES + cfg.result_bytes])
+            sums = raw.view(result_dtype(cfg.result_bits)).reshape(-1, k)
+            js.sums[slot[data], rnd[data] & 1] = (sums.astype(np.uint32).view(np.int32) if cfg.kind == "uncompressed"
+                                                   else sums.astype(np.int32))
+        if not data.all():
+            raw = np.ascontiguousarray(buf[rows[~data], HEADER_BYTES:HEADER_BYTES + 4])
+            js.norm[idx[~data]] = raw.view(">u4").reshape(-1).astype(np.int64)
+        c[Counter.COMPLETED] += rows.size
+        out = self.out
+        m, width = out.count, int(lens.max())
+        out.buf[m:m + rows.size, :width] = buf[rows, :width]
+        out.length[m:m + rows.size] = lens[take]
+        out.src[m:m + rows.size] = rows
+        out.dest[m:m + rows.size] = Dest.ALL
+        out.job[m:m + rows.size] = cfg.job
+        out.count = m + rows.size
 
     def _parent(self, buf: np.ndarray, length: int, p: int) -> None:
         """The parent's packet in row ``p``: its answer stored (or its notice taken) by a FORWARDED bank."""

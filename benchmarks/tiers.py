@@ -1,11 +1,13 @@
 """The two-tier state machines alone against the one-tier engine (no sockets; not a timed test).
 
-What ``thc-aggregator --role leaf`` and ``--role spine`` cost per packet: the reference leaf
-(``aggregator.tiers.LeafAggregator``) takes 4 workers' DATA for 64 slots and forwards 64 PARTIALs; the
-reference spine (``SpineAggregator``) takes 2 leaves' PARTIALs for the same slots. The compiled one-tier
-engine (``aggregator.engine.Aggregator``, what a flat ``thc-aggregator`` serves) takes the same DATA
-packets, rounds advancing batch after batch, in the same run on the same core. Prints packets/s and
-each role's rate as a ratio of the engine's: the price of serving the tiers with the reference.
+What ``thc-aggregator --role leaf`` and ``--role spine`` cost per packet. A leaf takes 4 workers' DATA
+for 64 slots, forwards 64 PARTIALs and then takes the spine's 64 RESULTs (timed together): the leaf on
+the compiled batch engine (``aggregator.leaf_engine.LeafEngine``, what ``--role leaf`` serves) and the
+reference leaf (``aggregator.tiers.LeafAggregator``, ``--engine reference``). The reference spine
+(``SpineAggregator``) takes 2 leaves' PARTIALs for the same slots. The compiled one-tier engine
+(``aggregator.engine.Aggregator``, what a flat ``thc-aggregator`` serves) takes the same DATA packets,
+rounds advancing batch after batch, in the same run on the same core. Prints DATA packets/s (a leaf's
+time includes its parent's answers) and each role's rate as a ratio of the engine's.
 
     python -m benchmarks.tiers [--elems 1024] [--batches 20] [--json]
 """
@@ -20,12 +22,13 @@ import time
 import numpy as np
 
 from aggregator.engine import Aggregator
+from aggregator.leaf_engine import LeafEngine
 from aggregator.tiers import Dest, LeafAggregator, SpineAggregator
 from benchmarks.engine import SLOTS_PER_BATCH, WORKERS, batch
 from worker_lib.cli.args import int_in
 from worker_lib.job import JobConfig
 from worker_lib.wire import Header
-from worker_lib.wire.protocol import Counter, TierCounter
+from worker_lib.wire.protocol import Counter
 
 LEAVES = 2
 
@@ -35,14 +38,24 @@ def _packets(buf: np.ndarray, lens: np.ndarray, rnd: int) -> list[bytes]:
     return [buf[i, :lens[i]].tobytes() for i in range(len(lens))]
 
 
+def _rows(packets: list[bytes], stride: int) -> tuple[np.ndarray, np.ndarray]:
+    rows = np.zeros((len(packets), stride), np.uint8)
+    for i, p in enumerate(packets):
+        rows[i, :len(p)] = np.frombuffer(p, np.uint8)
+    return rows, np.array([len(p) for p in packets])
+
+
 def rates(elems: int, batches: int) -> dict[str, float]:
-    """Packets per second of the reference leaf, the reference spine and the compiled engine."""
+    """DATA packets per second of the leaf engine, the reference leaf and the compiled one-tier engine,
+    PARTIALs per second of the reference spine."""
     tiered = JobConfig(leaves=(WORKERS,) * LEAVES, workers=WORKERS * LEAVES, elems=elems, slots=SLOTS_PER_BATCH,
                        mtu=9000)  # jumbo frames: K up to 8192 at 8-bit sums
     flat = tiered.leaf(0)
     buf, lens = batch(flat, 0)
     leaf, spine, engine = LeafAggregator(0, [tiered]), SpineAggregator([tiered]), Aggregator([flat], compiled=True)
-    leaf_s = spine_s = engine_s = 0.0
+    fast = LeafEngine(0, [tiered], compiled=True)
+    local = np.zeros(len(lens), bool)
+    leaf_s = fast_s = spine_s = engine_s = 0.0
     for r in range(batches + 1):
         packets = _packets(buf, lens, r)
         t0 = time.perf_counter()
@@ -50,21 +63,34 @@ def rates(elems: int, batches: int) -> dict[str, float]:
         t1 = time.perf_counter()
         other = [Header.parse(p)[0].replace(worker=1).pack(p[32:]) for p in partials]
         t2 = time.perf_counter()
-        for p in partials + other:
-            spine.handle(p)
+        results = [p for q in partials + other for fan, p in spine.handle(q) if fan]
         t3 = time.perf_counter()
         engine.process(buf, lens)
         t4 = time.perf_counter()
-        if r:  # the first batch warms up (the engine compiles)
-            leaf_s, spine_s, engine_s = leaf_s + t1 - t0, spine_s + t3 - t2, engine_s + t4 - t3
+        for p in results:
+            leaf.handle(p, from_parent=True)
+        t5 = time.perf_counter()
+        out = fast.process(buf, lens, local)
+        t6 = time.perf_counter()
+        if out.packets() != [(Dest.PARENT, p) for p in partials]:
+            raise SystemExit("the leaf engine's partials are not the reference's: a bug")
+        rows, rlens = _rows(results, fast.engine.stride)
+        t7 = time.perf_counter()
+        fast.process(rows, rlens, np.ones(len(results), bool))
+        t8 = time.perf_counter()
+        if r:  # the first batch warms up (the engines compile)
+            leaf_s += t1 - t0 + t5 - t4
+            fast_s += t6 - t5 + t8 - t7
+            spine_s += t3 - t2
+            engine_s += t4 - t3
     done = SLOTS_PER_BATCH * (batches + 1)
-    finished = (leaf.tier_counters[TierCounter.FORWARDED], spine.counters[Counter.COMPLETED],
-                engine.counters[Counter.COMPLETED])
-    if finished != (done, done, done):
+    finished = (leaf.counters[Counter.COMPLETED], int(fast.counters[Counter.COMPLETED]),
+                spine.counters[Counter.COMPLETED], engine.counters[Counter.COMPLETED])
+    if finished != (done,) * 4:
         raise SystemExit("the benchmark's rounds did not all complete: a bug in the benchmark or the roles")
-    n = batches * len(lens)  # DATA packets timed (leaf and engine)
-    return {"elems": elems, "leaf_pps": n / leaf_s, "spine_pps": batches * LEAVES * SLOTS_PER_BATCH / spine_s,
-            "engine_pps": n / engine_s}
+    n = batches * len(lens)  # DATA packets timed
+    return {"elems": elems, "leaf_engine_pps": n / fast_s, "leaf_pps": n / leaf_s,
+            "spine_pps": batches * LEAVES * SLOTS_PER_BATCH / spine_s, "engine_pps": n / engine_s}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,15 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.elems % 8:
         ap.error("--elems must be a multiple of 8")
     r = rates(args.elems, args.batches)
+    r["leaf_engine_vs_engine"] = r["leaf_engine_pps"] / r["engine_pps"]
     r["leaf_vs_engine"] = r["leaf_pps"] / r["engine_pps"]
     r["spine_vs_engine"] = r["spine_pps"] / r["engine_pps"]
     if args.json:
         print(json.dumps(r))
         return 0
-    print(f"K = {r['elems']}: reference leaf {r['leaf_pps']:,.0f} DATA/s, reference spine {r['spine_pps']:,.0f} "
-          f"PARTIAL/s, compiled one-tier engine {r['engine_pps']:,.0f} DATA/s")
-    print(f"ratios (same run, same core): leaf/engine {r['leaf_vs_engine']:.3f}, spine/engine "
-          f"{r['spine_vs_engine']:.3f}")
+    print(f"K = {r['elems']}: leaf engine {r['leaf_engine_pps']:,.0f} DATA/s, reference leaf {r['leaf_pps']:,.0f} "
+          f"DATA/s (both with the spine's answers), reference spine {r['spine_pps']:,.0f} PARTIAL/s, compiled "
+          f"one-tier engine {r['engine_pps']:,.0f} DATA/s")
+    print(f"ratios (same run, same core): leaf engine/engine {r['leaf_engine_vs_engine']:.3f}, reference "
+          f"leaf/engine {r['leaf_vs_engine']:.3f}, spine/engine {r['spine_vs_engine']:.3f}")
     return 0
 
 
