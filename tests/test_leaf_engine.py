@@ -40,7 +40,7 @@ def other_leaf(cfg: JobConfig, leaf: int, partial: bytes, rng: np.random.Generat
     hdr = Header.parse(partial)[0]
     n = cfg.leaves[leaf]
     if hdr.type == PacketType.PARTIAL_NORM:
-        body = float_bits(float(rng.random())).to_bytes(4, "big")
+        body = float_bits(float(10 + rng.random())).to_bytes(4, "big")  # above this leaf's: the spine's max
     else:
         width = cfg.partial_bits(leaf)
         top = min(cfg.granularity * n, (1 << width) - 1) if cfg.kind == "thc" else 1000
@@ -50,7 +50,7 @@ def other_leaf(cfg: JobConfig, leaf: int, partial: bytes, rng: np.random.Generat
 
 
 def traffic(cfg: JobConfig, leaf: int, seed: int, steps: int = 1500):
-    """(packet, from_parent) pairs, and the reference's answers, as the test feeds them."""
+    """(packet, from_parent, the reference's answers) as the test feeds them; a packet None ends a batch."""
     rng = np.random.default_rng(seed)
     ref = LeafAggregator(leaf, [cfg])
     spine = SpineAggregator([cfg])
@@ -59,11 +59,17 @@ def traffic(cfg: JobConfig, leaf: int, seed: int, steps: int = 1500):
     answers: list[bytes] = []  # the parent's packets, to send (some again)
     for _ in range(steps):
         u = rng.random()
-        if u < 0.25 and answers:
+        if u < 0.03 and len(answers) >= 4:  # a burst: the parent's answers back to back, in a batch of their own
+            yield None, False, []  # (the end of the batch before)
+            for packet in answers:
+                yield packet, True, ref.handle(packet, from_parent=True)
+            answers = []
+            continue
+        if u < 0.12 and answers:
             packet = answers[int(rng.integers(0, len(answers)))] if rng.random() < 0.3 else answers.pop(0)
             yield packet, True, ref.handle(packet, from_parent=True)
             continue
-        if u < 0.27:  # garbage from a worker's address or the parent's
+        if u < 0.14:  # garbage from a worker's address or the parent's
             junk = bytes(rng.integers(0, 256, int(rng.integers(0, 60)), dtype=np.uint8))
             parent = bool(rng.random() < 0.5)
             yield junk, parent, ref.handle(junk, from_parent=parent)
@@ -112,6 +118,11 @@ def test_batches_equal_the_reference_packet_by_packet(name: str, leaf: int, comp
     batch: list[tuple[bytes, bool, list]] = []
     size = 1
     for item in traffic(cfg, leaf, seed=17 + leaf):
+        if item[0] is None:  # a burst of the parent's answers follows, in one batch
+            if batch:
+                run(batch)
+            batch, size = [], 48
+            continue
         batch.append(item)
         if len(batch) == size:
             run(batch)
@@ -120,7 +131,8 @@ def test_batches_equal_the_reference_packet_by_packet(name: str, leaf: int, comp
         run(batch)
     ref = LeafAggregator(leaf, [cfg])
     for packet, parent, _ in traffic(cfg, leaf, seed=17 + leaf):  # the same traffic, to read the counters
-        ref.handle(packet, from_parent=parent)
+        if packet is not None:
+            ref.handle(packet, from_parent=parent)
     assert {c.name: int(engine.counters[c]) for c in Counter} == {c.name: ref.counters[c] for c in Counter}
     assert engine.tier_counters.tolist() == ref.tier_counters
     # the traffic exercised every kind of answer
@@ -159,3 +171,39 @@ def test_a_leaf_engine_refuses_what_it_cannot_serve() -> None:
         LeafEngine(0, [JobConfig(workers=4, elems=K)])
     with pytest.raises(JobConfigError, match=r"leaf 2 is not in 0\.\.1"):
         LeafEngine(2, [JOBS["thc"]])
+
+
+def test_a_burst_of_the_parents_answers_is_applied_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The common case, the parent's RESULTs and NORM_RESULTs for distinct banks in a batch of their own,
+    goes through the vectorized path (the one-by-one one must not be called) and equals the reference:
+    sums, norms, contributors and bitmaps stored, answers multicast, an answer for a bank that was never
+    forwarded counted stale."""
+    cfg = JobConfig(job=6, leaves=(3, 5), workers=8, elems=K, slots=8)
+    rng = np.random.default_rng(3)
+    ref, engine, spine = LeafAggregator(0, [cfg]), LeafEngine(0, [cfg]), SpineAggregator([cfg])
+    results = []
+    for slot in range(7):  # rounds 0 (DATA) and 3 (NORM) of slots 0..6; slot 7 never forwarded
+        rnd = 3 if slot % 3 == 0 else 0
+        for w in range(3):
+            packet = request(cfg, w, slot, rnd, rng)
+            outs = ref.handle(packet)
+            assert sorted(engine.handle(packet)) == sorted(outs)
+        [(_, partial)] = outs
+        spine.handle(partial)
+        results += [p for fan, p in spine.handle(other_leaf(cfg, 1, partial, rng)) if fan]
+    stray = Header.parse(results[1])[0].replace(slot=7).pack(Header.parse(results[1])[1])
+    batch = [*results, stray]
+    monkeypatch.setattr(LeafEngine, "_parent", lambda *a: pytest.fail("the one-by-one path was taken"))
+    rows = np.zeros((len(batch), engine.engine.stride), np.uint8)
+    for i, p in enumerate(batch):
+        rows[i, :len(p)] = np.frombuffer(p, np.uint8)
+    got = engine.process(rows, np.array([len(p) for p in batch]), np.ones(len(batch), bool)).packets()
+    want = [o for p in batch for o in ref.handle(p, from_parent=True)]
+    assert sorted(got) == sorted(want) and len(want) == 7
+    assert {Header.parse(p)[0].type for _, p in want} == {PacketType.RESULT, PacketType.NORM_RESULT}
+    for slot in range(7):  # the retained answers: what the engine's banks now hold
+        rnd = 3 if slot % 3 == 0 else 0
+        packet = request(cfg, 1, slot, rnd, rng)
+        assert engine.handle(packet) == ref.handle(packet)
+    assert engine.tier_counters.tolist() == ref.tier_counters and engine.tier_counters[TierCounter.STALE_PARENT] == 1
+    assert {c.name: int(engine.counters[c]) for c in Counter} == {c.name: ref.counters[c] for c in Counter}
