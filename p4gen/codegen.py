@@ -38,7 +38,12 @@ def write_or_check(text: str, output: Path, *, check: bool, script: str) -> int:
             sys.stderr.write(f"{output} is out of date: run python {script}\n")
             return 1
         return 0
-    output.write_text(text)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text)
+    except OSError as exc:
+        sys.stderr.write(f"{script}: cannot write {output}: {exc.strerror}\n")
+        return 1
     return 0
 
 

@@ -30,8 +30,9 @@
  * defines THC_LEAF and adds the parent's validation rows): the THC_LEAF blocks below are all it adds.
  *   - A round complete here is FORWARDED: pass 2 sends the PARTIAL / PARTIAL_NORM (the bank's sums at the
  *     program's width) to the parent (the keyless table thc_uplink) instead of multicasting a result.
- *   - Register bank_upstream keeps the leaf's state of each bank (UP_* below). A worker's packet for a
- *     COMPLETE bank reads it in pass 1: FORWARDED sends the partial again (pass 2 reads the sums back),
+ *   - Register bank_upstream keeps the leaf's state of each bank (UP_* below): a round starts LOCAL (pass
+ *     1), its completion makes it FORWARDED (pass 2). A worker's packet for a COMPLETE bank reads it in
+ *     pass 1: FORWARDED sends the partial again (pass 2 reads the sums back),
  *     UPSTREAM_STALE answers the parent's round in a straggler notice, and a bank that holds the parent's
  *     result answers it as the retained result.
  *   - The parent's packets (from its address and port) are validated by their own TCAM rows. Its RESULT /
@@ -455,9 +456,10 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
     };
 
 #ifdef THC_LEAF
-    // The leaf's state of each bank (UP_*), after the count in pass 1's chain; written in pass 2 by the
-    // worker's packets (the round starts LOCAL, its completion makes it FORWARDED) and in pass 1 by the
-    // parent's answers (a FORWARDED bank takes meta.lf.parent_cell).
+    // The leaf's state of each bank (UP_*), after the count in pass 1's chain: a round starts LOCAL in
+    // pass 1 (before any later packet of the round can read the state its bank had), its completion makes
+    // it FORWARDED in pass 2, and the parent's answers take a FORWARDED bank in pass 1
+    // (meta.lf.parent_cell).
     Register<bit<32>, bit<32>>(THC_BANKS) bank_upstream;
     RegisterAction<bit<32>, bit<32>, bit<32>>(bank_upstream) upstream_read = {
         void apply(inout bit<32> v, out bit<32> rv) {
@@ -473,13 +475,14 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
             }
         }
     };
-    RegisterAction<bit<32>, bit<32>, bit<32>>(bank_upstream) upstream_local = {
+    RegisterAction<bit<32>, bit<32>, bit<32>>(bank_upstream) upstream_start = {
         void apply(inout bit<32> v) {
-            if (meta.below_threshold == 0) {
-                v = (bit<32>)UP_FORWARDED;
-            } else if (hdr.bridge.op == OP_SET) {
-                v = (bit<32>)UP_LOCAL;
-            }
+            v = (bit<32>)UP_LOCAL;
+        }
+    };
+    RegisterAction<bit<32>, bit<32>, bit<32>>(bank_upstream) upstream_forward = {
+        void apply(inout bit<32> v) {
+            v = (bit<32>)UP_FORWARDED;
         }
     };
 
@@ -893,16 +896,22 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
         meta.lf.up = upstream_answer.execute(THC_BANK(bank_index, meta.slot, hdr.thc.round[0:0]));
     }
 
+    action up_start() {
+        upstream_start.execute(THC_BANK(bank_index, meta.slot, hdr.thc.round[0:0]));
+    }
+
     table up_step {
-        key = { meta.lf.from_parent: ternary; meta.tag_res: ternary; hdr.thc.type_: ternary; meta.c: ternary; }
-        actions = { up_read; up_answer; NoAction; }
+        key = { meta.lf.from_parent: ternary; meta.tag_res: ternary; hdr.thc.type_: ternary; meta.c: ternary;
+                meta.s: ternary; }
+        actions = { up_read; up_answer; up_start; NoAction; }
         const entries = {
-            (1 &&& 0xFF, 1 &&& 0xFF, _, _) : up_answer();
-            (1 &&& 0xFF, 2 &&& 0xFF, THC_TYPE_STRAGGLER &&& 0xFF, _) : up_answer();
-            (0 &&& 0xFF, 1 &&& 0xFF, _, 0x100 &&& 0x100) : up_read();
+            (1 &&& 0xFF, 1 &&& 0xFF, _, _, _) : up_answer();
+            (1 &&& 0xFF, 2 &&& 0xFF, THC_TYPE_STRAGGLER &&& 0xFF, _, _) : up_answer();
+            (0 &&& 0xFF, _, _, _, 0 &&& 0xFFFFFFFF) : up_start();
+            (0 &&& 0xFF, 1 &&& 0xFF, _, 0x100 &&& 0x100, _) : up_read();
         }
         const default_action = NoAction();
-        size = 3;
+        size = 4;
     }
 
     action validated_parent() {
@@ -1125,13 +1134,13 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
             if (hdr.bridge.job_index == THC_PARENT_ROW) {
                 thc_completed.count(0);
             } else if (op != OP_READ) {
-                upstream_local.execute(bank);
                 if (hdr.bridge.kind == THC_TYPE_DATA) {
                     thc_accepted.count(1);
                 } else {
                     thc_accepted.count(0);
                 }
                 if (meta.below_threshold == 0) {
+                    upstream_forward.execute(bank);
                     hdr.bridge.emit = EMIT_PARTIAL;    // complete here: FORWARDED, the partial to the parent
                     thc_forwarded.count(0);
                 }
