@@ -224,13 +224,14 @@ def test_p4test_rejects_a_broken_program(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "thc_no_such_name" in proc.stderr
 
 
-def _reference_check(f: dict, k: int, b: int) -> str | None:
-    """docs/protocol.md's checks in order, written out plainly: the first failing check's counter."""
+def _reference_first_checks(f: dict, types: tuple[int, ...], senders_left: str) -> str | None:
+    """The checks before the format, in docs/protocol.md's order, written out plainly (a packet of one of
+    ``types``, its sender index below the field ``senders_left`` says): the first failing check's counter."""
     if not f["thc_valid"] or f["udp_short"] != 0:
         return "THC_CTR_SHORT"
     if f["version"] != 1:
         return "THC_CTR_BAD_VERSION"
-    if f["type"] not in (1, 3):
+    if f["type"] not in types:
         return "THC_CTR_BAD_TYPE"
     if f["job_hit"] == 0:
         return "THC_CTR_UNKNOWN_JOB"
@@ -238,10 +239,18 @@ def _reference_check(f: dict, k: int, b: int) -> str | None:
         return "THC_CTR_BAD_KEY"
     if f["table_diff"] != 0:
         return "THC_CTR_BAD_TABLE"
-    if f["workers_left"] == 0:
+    if f[senders_left] == 0:
         return "THC_CTR_BAD_WORKER"
     if f["slots_left"] == 0:
         return "THC_CTR_BAD_SLOT"
+    return None
+
+
+def _reference_check(f: dict, k: int, b: int) -> str | None:
+    """docs/protocol.md's checks of a worker's packet in order: the first failing check's counter."""
+    first = _reference_first_checks(f, (1, 3), "workers_left")
+    if first is not None:
+        return first
     data_ok = f["data_valid"] and f["elems"] == k and f["width"] == b and f["udp_length"] == 40 + k * b // 8
     norm_ok = f["norm_valid"] and f["elems"] == 1 and f["width"] == 32 and f["udp_length"] == 44
     if (f["type"] == 1 and not data_ok) or (f["type"] == 3 and not norm_ok):
@@ -297,22 +306,9 @@ def test_validation_table_is_the_protocols_check_order(elems: int, bits: int) ->
 
 def _reference_parent_check(f: dict, k: int, rbits: int) -> str | None:
     """docs/protocol.md's checks of a packet from a leaf's parent, in order, written out plainly."""
-    if not f["thc_valid"] or f["udp_short"] != 0:
-        return "THC_CTR_SHORT"
-    if f["version"] != 1:
-        return "THC_CTR_BAD_VERSION"
-    if f["type"] not in (2, 4, 5):
-        return "THC_CTR_BAD_TYPE"
-    if f["job_hit"] == 0:
-        return "THC_CTR_UNKNOWN_JOB"
-    if f["key_diff"] != 0:
-        return "THC_CTR_BAD_KEY"
-    if f["table_diff"] != 0:
-        return "THC_CTR_BAD_TABLE"
-    if f["leaves_left"] == 0:
-        return "THC_CTR_BAD_WORKER"
-    if f["slots_left"] == 0:
-        return "THC_CTR_BAD_SLOT"
+    first = _reference_first_checks(f, (2, 4, 5), "leaves_left")
+    if first is not None:
+        return first
     result_ok = f["result_valid"] and f["elems"] == k and f["width"] == rbits and f["udp_length"] == 40 + k * rbits // 8
     norm_ok = f["norm_valid"] and f["elems"] == 1 and f["width"] == 32 and f["udp_length"] == 44
     notice_ok = f["elems"] == 0 and f["width"] == 0 and f["bitmap_hi"] == 0 and f["udp_length"] == 40
