@@ -50,8 +50,9 @@ TARGETS = {  # target -> (architecture include, most elements per packet, defaul
     "tofino": ("tna.p4", 64, 68),     # Tofino 1, 12 stages; port 68: pipe 0's recirculation port
     "tofino2": ("t2na.p4", 160, 6),   # Tofino 2, 20 stages; port 6: a recirculation port of pipe 0
 }
-#: The largest K of the leaf of two-tier jobs (``--leaf``) that bf-p4c places, per target: the leaf's
-#: register and tables take stages and ALUs the lookups had (p4src/tofino/README.md).
+#: The largest K of the leaf of two-tier jobs (``--leaf``), per target: a budget that leaves the leaf's
+#: register and tables the stages and ALUs the lookups had. Not a compiled result: bf-p4c does not place
+#: the leaf yet (docs/tofino.md, "The leaf of two-tier jobs").
 LEAF_MAX_ELEMS = {"tofino": 32, "tofino2": 128}
 MAX_WORKERS = 32  # one 32-bit bitmap cell per bank
 WORD_BITS = 32  # a sum register cell: the lanes of one stateful ALU
@@ -361,7 +362,7 @@ def render(geometry: TofinoGeometry | None = None, template: str | None = None, 
     g = geometry or TofinoGeometry(elems=LEAF_MAX_ELEMS["tofino"] if leaf else None)
     if leaf and g.elems > LEAF_MAX_ELEMS[g.target]:
         raise ValueError(f"elems (K) must be at most {LEAF_MAX_ELEMS[g.target]} for the leaf on {g.target} (the "
-                         f"largest K that bf-p4c places with the leaf's tables; p4src/tofino/README.md), got {g.elems}")
+                         f"leaf's tables need the stages the lookups of a larger K take; docs/tofino.md), got {g.elems}")
     text = TEMPLATE.read_text() if template is None else template
     keys, rows = validate_keys(leaf), table_entries(g, leaf)
     parts = {"@ARCH_INCLUDE@": f"#include <{TARGETS[g.target][0]}>", "@CONFIG@": _config(g),

@@ -112,7 +112,7 @@ const bit<8> EMIT_PARTIAL = 4;    // a leaf's PARTIAL / PARTIAL_NORM, to the par
 const bit<16> THC_PARENT_ROW = 0xFFFE;  // pass 2's job_index for the parent's RESULT: the lookups keep its sums
 // A leaf's state of a bank beyond one tier's (bank_upstream's cell; the state in bits 7..0):
 const bit<8> UP_LOCAL = 0;      // not complete here; or complete, its pass 2 not run yet (then as FORWARDED)
-const bit<8> UP_FORWARDED = 1;  // FORWARDED: complete here, the partial sent, no answer from the parent yet
+const bit<8> UP_FORWARDED = 1;  // FORWARDED (the cell: round ++ 16w1): the partial sent, no answer yet
 const bit<8> UP_DONE = 2;       // COMPLETE with the parent's result; bits 15..8: its contributors
 const bit<8> UP_STALE = 3;      // UPSTREAM_STALE; bits 31..16: the parent's round
 #endif
@@ -227,8 +227,8 @@ struct thc_leaf_metadata_t {
     bit<8> leaves_left;        // leaves |-| worker: 0 if a parent packet's leaf index is out of range
     bit<8> from_parent;        // 1: validated as the parent's packet (validated_parent)
     bit<32> parent_cell;       // what the parent's packet writes into a FORWARDED bank's bank_upstream cell
-    bit<16> spine_round;       // a parent's notice: the spine's round (its round field holds the refused one)
-    bit<16> notice_round;      // the round a straggler notice to a worker carries
+    bit<32> forwarded;         // the cell of the bank the parent's packet is for, FORWARDED: its round ++ 16w1
+    bit<1> parity;             // bank_upstream's bank: round mod 2 (a notice: its refused round's)
     bit<32> up;                // bank_upstream's output (upstream_read; upstream_answer: 1 if taken)
     bit<8> count_tier;         // 1: count thc_tier_stats[tier_stat] (pass 1)
     bit<32> tier_stat;
@@ -469,7 +469,7 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
     RegisterAction<bit<32>, bit<32>, bit<32>>(bank_upstream) upstream_answer = {
         void apply(inout bit<32> v, out bit<32> rv) {
             rv = 0;
-            if (v == (bit<32>)UP_FORWARDED) {
+            if (v == meta.lf.forwarded) {
                 v = meta.lf.parent_cell;
                 rv = 1;
             }
@@ -482,7 +482,7 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
     };
     RegisterAction<bit<32>, bit<32>, bit<32>>(bank_upstream) upstream_forward = {
         void apply(inout bit<32> v) {
-            v = (bit<32>)UP_FORWARDED;
+            v = meta.lf.forwarded;
         }
     };
 
@@ -570,6 +570,9 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
     // Tofino addresses a register with a field or a hash of fields (pass 1, and again in pass 2).
     Hash<bit<32>>(HashAlgorithm_t.IDENTITY) bank_index;     // pass 1
     Hash<bit<32>>(HashAlgorithm_t.IDENTITY) bank_index_2;   // pass 2
+#ifdef THC_LEAF
+    Hash<bit<32>>(HashAlgorithm_t.IDENTITY) up_bank_index;   // pass 1, bank_upstream: slot * 2 + meta.lf.parity
+#endif
     // Row job_index * 32 + worker of egress's learnt-address registers, as the identity hash of the two
     // fields (validation keeps worker < 32; job_index < THC_JOBS <= 2048).
     Hash<bit<16>>(HashAlgorithm_t.IDENTITY) worker_row;
@@ -702,6 +705,9 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
         meta.slot_cell = hdr.thc.round ++ 16w1;
         meta.tag = (8w0 ++ THC_TYPE_DATA) ++ hdr.thc.round;
         meta.other_tag = (8w0 ++ THC_TYPE_NORM) ++ hdr.thc.round;
+#ifdef THC_LEAF
+        meta.lf.parity = hdr.thc.round[0:0];
+#endif
     }
 
     action prepare_norm() {
@@ -709,34 +715,49 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
         meta.slot_cell = hdr.thc.round ++ 16w1;
         meta.tag = (8w0 ++ THC_TYPE_NORM) ++ hdr.thc.round;
         meta.other_tag = (8w0 ++ THC_TYPE_DATA) ++ hdr.thc.round;
+#ifdef THC_LEAF
+        meta.lf.parity = hdr.thc.round[0:0];
+#endif
     }
 #ifdef THC_LEAF
 
-    // The parent's packets: the bank they are for holds their round with the kind of their request
-    // (a notice: its refused round, either kind); parent_cell is what a FORWARDED bank then keeps.
+    // The parent's packets: a RESULT's bank holds its round with the kind of its request (bank_tag), and
+    // is FORWARDED with that round; a notice's bank is its refused round's (bitmap 15..0), FORWARDED with
+    // it. parent_cell is what that bank keeps then: the parent's contributors, or the spine's round.
     action prepare_result() {
         meta.udp_short = (UDP_HEADER_BYTES + THC_HEADER_BYTES) |-| hdr.udp.length;
         meta.tag = (8w0 ++ THC_TYPE_DATA) ++ hdr.thc.round;
         meta.other_tag = (8w0 ++ THC_TYPE_NORM) ++ hdr.thc.round;
+        meta.lf.forwarded = hdr.thc.round ++ 16w1;
         meta.lf.parent_cell = 16w0 ++ hdr.thc.contributors ++ UP_DONE;
+        meta.lf.parity = hdr.thc.round[0:0];
     }
 
     action prepare_norm_result() {
         meta.udp_short = (UDP_HEADER_BYTES + THC_HEADER_BYTES) |-| hdr.udp.length;
         meta.tag = (8w0 ++ THC_TYPE_NORM) ++ hdr.thc.round;
         meta.other_tag = (8w0 ++ THC_TYPE_DATA) ++ hdr.thc.round;
+        meta.lf.forwarded = hdr.thc.round ++ 16w1;
         meta.lf.parent_cell = 16w0 ++ hdr.thc.contributors ++ UP_DONE;
+        meta.lf.parity = hdr.thc.round[0:0];
     }
 
-    // A notice's bank is its refused round's (bitmap 15..0): pass 1 addresses banks by hdr.thc.round, so
-    // the refused round goes there and the spine's round waits in meta.lf.spine_round.
     action prepare_notice() {
         meta.udp_short = (UDP_HEADER_BYTES + THC_HEADER_BYTES) |-| hdr.udp.length;
-        meta.tag = (8w0 ++ THC_TYPE_DATA) ++ hdr.thc.bitmap[15:0];
-        meta.other_tag = (8w0 ++ THC_TYPE_NORM) ++ hdr.thc.bitmap[15:0];
+        meta.lf.forwarded = hdr.thc.bitmap[15:0] ++ 16w1;
         meta.lf.parent_cell = hdr.thc.round ++ 8w0 ++ UP_STALE;
-        meta.lf.spine_round = hdr.thc.round;
-        hdr.thc.round = hdr.thc.bitmap[15:0];
+        meta.lf.parity = hdr.thc.bitmap[0:0];
+    }
+
+    // Pass 2: the cell of a bank this packet completes.
+    action forwarded_cell() {
+        meta.lf.forwarded = hdr.thc.round ++ 16w1;
+    }
+
+    table forwarded_value {
+        actions = { forwarded_cell; }
+        const default_action = forwarded_cell();
+        size = 1;
     }
 
     table prepare {
@@ -814,30 +835,18 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
         meta.tag_res = tag_check.execute(THC_BANK(bank_index, meta.slot, hdr.thc.round[0:0]));
     }
 
+#ifndef THC_LEAF  // (the leaf's chain is longer: the compiler places it)
     @stage(4)
+#endif
     table tag_step {
-#ifdef THC_LEAF
-        key = { meta.s: ternary; meta.lf.from_parent: ternary; }   // the parent's packets only test
-        actions = { tag_set; tag_test; NoAction; }
-        const entries = {
-            (_, 1 &&& 0xFF) : tag_test();
-            (0 &&& 0xFFFFFFFF, _) : tag_set();
-            (_, _) : tag_test();
-        }
-#else
         key = { meta.s: ternary; }
         actions = { tag_set; tag_test; NoAction; }
         const entries = {
             0 &&& 0xFFFFFFFF : tag_set();
             _ : tag_test();
         }
-#endif
         const default_action = NoAction();   // a default action cannot address by hash
-#ifdef THC_LEAF
-        size = 3;
-#else
         size = 2;
-#endif
     }
 
     action seen_set() {
@@ -848,7 +857,9 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
         meta.dup = seen_add.execute(THC_BANK(bank_index, meta.slot, hdr.thc.round[0:0]));
     }
 
+#ifndef THC_LEAF
     @stage(5)
+#endif
     table seen_step {
         key = { meta.s: ternary; }
         actions = { seen_set; seen_test; NoAction; }
@@ -872,7 +883,9 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
         meta.c = count_dup.execute(THC_BANK(bank_index, meta.slot, hdr.thc.round[0:0]));
     }
 
+#ifndef THC_LEAF
     @stage(6)
+#endif
     table count_step {
         key = { meta.s: ternary; meta.dup: ternary; }
         actions = { count_set; count_new; count_again; NoAction; }
@@ -889,34 +902,37 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
     // bank_upstream in pass 1: a worker's packet for a COMPLETE bank reads the leaf's state; the parent's
     // answer for the bank of its round (a RESULT: of its kind; a notice: of either) is taken if FORWARDED.
     action up_read() {
-        meta.lf.up = upstream_read.execute(THC_BANK(bank_index, meta.slot, hdr.thc.round[0:0]));
+        meta.lf.up = upstream_read.execute(THC_BANK(up_bank_index, meta.slot, meta.lf.parity));
     }
 
     action up_answer() {
-        meta.lf.up = upstream_answer.execute(THC_BANK(bank_index, meta.slot, hdr.thc.round[0:0]));
+        meta.lf.up = upstream_answer.execute(THC_BANK(up_bank_index, meta.slot, meta.lf.parity));
     }
 
     action up_start() {
-        upstream_start.execute(THC_BANK(bank_index, meta.slot, hdr.thc.round[0:0]));
+        upstream_start.execute(THC_BANK(up_bank_index, meta.slot, meta.lf.parity));
     }
 
+    // (meta.s's low half is 0 only when the packet starts its round: the cell is round ++ 0x0001.)
     table up_step {
-        key = { meta.lf.from_parent: ternary; meta.tag_res: ternary; hdr.thc.type_: ternary; meta.c: ternary;
-                meta.s: ternary; }
+        key = { meta.lf.from_parent: ternary; meta.tag_res: ternary; hdr.thc.type_: ternary; meta.c[8:8]: ternary;
+                meta.s[15:0]: ternary; }
         actions = { up_read; up_answer; up_start; NoAction; }
         const entries = {
-            (1 &&& 0xFF, 1 &&& 0xFF, _, _, _) : up_answer();
-            (1 &&& 0xFF, 2 &&& 0xFF, THC_TYPE_STRAGGLER &&& 0xFF, _, _) : up_answer();
-            (0 &&& 0xFF, _, _, _, 0 &&& 0xFFFFFFFF) : up_start();
-            (0 &&& 0xFF, 1 &&& 0xFF, _, 0x100 &&& 0x100, _) : up_read();
+            (1, _, THC_TYPE_STRAGGLER, _, _) : up_answer();
+            (1, 1, _, _, _) : up_answer();
+            (0, _, _, _, 0) : up_start();
+            (0, 1, _, 1, _) : up_read();
         }
         const default_action = NoAction();
         size = 4;
     }
 
+    // The parent's packets skip slot_check; their meta.s of 1 makes tag_step test the bank, not start it.
     action validated_parent() {
         meta.valid = 1;
         meta.lf.from_parent = 1;
+        meta.s = 1;
     }
 
 #endif
@@ -1140,6 +1156,7 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                     thc_accepted.count(0);
                 }
                 if (meta.below_threshold == 0) {
+                    forwarded_value.apply();
                     upstream_forward.execute(bank);
                     hdr.bridge.emit = EMIT_PARTIAL;    // complete here: FORWARDED, the partial to the parent
                     thc_forwarded.count(0);
@@ -1303,13 +1320,11 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                         seen_step.apply();
                         count_step.apply();
                     }
-                    if (meta.tag_res != 0) {
-                        up_step.apply();
-                    }
-                    if (meta.tag_res == 0) {
-                        meta.lf.notice_round = meta.s[31:16];
-                    } else {
-                        meta.lf.notice_round = meta.lf.up[31:16];   // UPSTREAM_STALE: the parent's round
+                    up_step.apply();
+                    if (meta.lf.from_parent == 0 && meta.c[8:8] == 1 && meta.lf.up[7:0] == UP_STALE) {
+                        // UPSTREAM_STALE: answered as STALE below, with the parent's round for the slot's
+                        meta.s = meta.lf.up;
+                        meta.tag_res = 0;
                     }
 #else
                     if (meta.tag_res == 1) {
@@ -1342,7 +1357,6 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                             hdr.bridge.fanout = 1;
                             ig_tm_md.mcast_grp_a = meta.job_mcast_grp;
                             answer_common();
-                            hdr.thc.round = meta.lf.spine_round;
                             hdr.thc.bitmap = 0;
                             hdr.ipv4.srcAddr = hdr.ipv4.dstAddr;
                             hdr.udp.srcPort = THC_UDP_PORT;
@@ -1367,15 +1381,10 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                         start_round();     // FRESH or NEWER: bank b now holds this packet alone
                     } else if (meta.tag_res == 2) {
                         learn_only(THC_CTR_KIND_MISMATCH);
-#ifdef THC_LEAF
-                    } else if (meta.tag_res == 0 || (meta.c[8:8] == 1 && meta.lf.up[7:0] == UP_STALE)) {
-                        // STALE, or UPSTREAM_STALE (the parent said the round is gone): the straggler
-                        // notice goes straight back to the sender (one pass).
-#else
                     } else if (meta.tag_res == 0) {
                         // STALE: the slot has moved on; the straggler notice goes straight back to the
-                        // sender with the slot's current round (one pass).
-#endif
+                        // sender with the slot's current round (one pass). (A leaf: or UPSTREAM_STALE, with
+                        // the parent's round.)
                         meta.stat = THC_CTR_STRAGGLER;
                         meta.count_stat = 1;
                         hdr.bridge.emit = EMIT_STRAGGLER;
@@ -1384,11 +1393,7 @@ control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                         answer_common();
                         hdr.thc.type_ = THC_TYPE_STRAGGLER;
                         hdr.thc.contributors = 0;
-#ifdef THC_LEAF
-                        hdr.thc.round = meta.lf.notice_round;
-#else
                         hdr.thc.round = meta.s[31:16];
-#endif
                         hdr.thc.elems = 0;
                         hdr.thc.width = 0;
                         hdr.thc.bitmap = 0;
