@@ -127,9 +127,22 @@ class AddressBook:
                 for row, wk in zip(r.tolist(), w.tolist(), strict=True):  # in order: the last one stays
                     tab.learn(wk, rx_addr[row])
 
-    def changed(self, job: int) -> bool:
-        """Whether this batch taught ``job`` an address (its answers may then need ``destinations`` each)."""
-        return job in self._moves
+    def fan_out(self, rx_addr: np.ndarray, outputs: np.ndarray, jobs: np.ndarray, rx_rows: np.ndarray,
+                rows: list[np.ndarray], addrs: list[np.ndarray], multicast: bool = False) -> None:
+        """Append to ``rows`` / ``addrs`` the sends of the completions ``outputs`` (output rows) of ``jobs``,
+        caused by rx rows ``rx_rows``: destination by destination, each worker's results in a row (one GSO
+        run each). One destination set serves all of a job's completions, unless this batch taught the job
+        an address: then each completion gets the set known at its own packet."""
+        for j in np.unique(jobs).tolist():
+            sel = jobs == j
+            ms, src = outputs[sel], rx_rows[sel]
+            groups = [slice(None)] if j not in self._moves else [slice(i, i + 1) for i in range(ms.size)]
+            for g in groups:
+                dests = self.destinations(rx_addr, j, int(src[g][-1]), multicast)
+                if dests is None:
+                    continue
+                rows.append(np.tile(ms[g], len(dests)))
+                addrs.append(np.repeat(dests, ms[g].size, axis=0))
 
     def destinations(self, rx_addr: np.ndarray, job: int, row: int, multicast: bool = False) -> np.ndarray | None:
         """Addresses a completion of ``job`` caused by rx row ``row`` goes to: its multicast group (where
@@ -295,19 +308,8 @@ class Shard:
             addr_l.append(self.io.rx_addr[rx_rows[out.src[uni]]])
         fo = np.flatnonzero(fan)
         if fo.size:
-            jobs = out.job[fo]
-            for j in np.unique(jobs).tolist():
-                ms = fo[jobs == j]
-                # One destination set for all of a job's completions, unless this batch taught the job
-                # an address: then each completion gets the set known at its own packet.
-                groups = [ms] if not self.book.changed(j) else [ms[i:i + 1] for i in range(ms.size)]
-                for g in groups:
-                    dests = self._destinations(j, int(rx_rows[out.src[g[-1]]]))
-                    if dests is None:
-                        continue
-                    # destination by destination: each worker's results in a row, one GSO run each
-                    rows_l.append(np.tile(g, len(dests)))
-                    addr_l.append(np.repeat(dests, g.size, axis=0))
+            self.book.fan_out(self.io.rx_addr, fo, out.job[fo], rx_rows[out.src[fo]], rows_l, addr_l,
+                              self.cfg.multicast)
         if not rows_l:
             return
         rows = np.concatenate(rows_l)

@@ -213,11 +213,9 @@ class TierServer:
         if up.size:
             sel_rows.append(up)
             sel_addr.append(np.repeat(np.frombuffer(self.parent, np.uint8)[None, :], up.size, axis=0))
-        for k in np.flatnonzero(dest == Dest.ALL).tolist():
-            dests = self.book.destinations(addr, int(out.job[k]), int(out.src[k]))
-            if dests is not None:
-                sel_rows.append(np.full(len(dests), k))
-                sel_addr.append(dests)
+        fan = np.flatnonzero(dest == Dest.ALL)
+        if fan.size:
+            self.book.fan_out(addr, fan, out.job[fan], out.src[fan], sel_rows, sel_addr)
         if sel_rows:
             r = np.concatenate(sel_rows)
             io.send(out.buf, r, out.length[r], np.concatenate(sel_addr))
