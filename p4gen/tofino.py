@@ -362,7 +362,8 @@ def render(geometry: TofinoGeometry | None = None, template: str | None = None, 
     g = geometry or TofinoGeometry(elems=LEAF_MAX_ELEMS["tofino"] if leaf else None)
     if leaf and g.elems > LEAF_MAX_ELEMS[g.target]:
         raise ValueError(f"elems (K) must be at most {LEAF_MAX_ELEMS[g.target]} for the leaf on {g.target} (the "
-                         f"leaf's tables need the stages the lookups of a larger K take; docs/tofino.md), got {g.elems}")
+                         f"leaf's tables need the stages the lookups of a larger K take; docs/tofino.md), "
+                         f"got {g.elems}")
     text = TEMPLATE.read_text() if template is None else template
     keys, rows = validate_keys(leaf), table_entries(g, leaf)
     parts = {"@ARCH_INCLUDE@": f"#include <{TARGETS[g.target][0]}>", "@CONFIG@": _config(g),
