@@ -29,7 +29,7 @@ from worker_lib.job import JobConfig, JobConfigError
 from worker_lib.wire.bits import unpack_bits
 from worker_lib.wire.layout import HEADER_BYTES, VERSION, PacketType
 from worker_lib.wire.protocol import Counter, Header, serial_newer
-from worker_lib.wire.serializer import header_view
+from worker_lib.wire.serializer import batch_of, header_view
 
 log = logging.getLogger(__name__)
 
@@ -222,11 +222,7 @@ class Aggregator:
     # -- reference API ---------------------------------------------------------------------------
     def handle(self, packet: bytes) -> list[tuple[bool, bytes]]:
         """Process one packet; return the packets it causes as (fanout, bytes)."""
-        row = np.zeros((1, self.stride), np.uint8)
-        data = np.frombuffer(packet, np.uint8)[: self.stride]
-        row[0, : data.size] = data
-        out = self.process(row, np.array([len(packet)]))
-        return out.packets()
+        return self.process(*batch_of([packet], self.stride)).packets()
 
     # -- the hot path ----------------------------------------------------------------------------
     def process(self, buf: np.ndarray, lengths: np.ndarray) -> Outputs:

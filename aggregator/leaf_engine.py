@@ -30,7 +30,7 @@ from aggregator.tiers import Dest, validate_parent
 from worker_lib.job import JobConfig, JobConfigError
 from worker_lib.wire.layout import HEADER_BYTES, PacketType
 from worker_lib.wire.protocol import Counter, Header, TierCounter
-from worker_lib.wire.serializer import decode_sums, header_view, result_dtype
+from worker_lib.wire.serializer import batch_of, decode_sums, header_view, result_dtype
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +127,7 @@ class LeafEngine:
 
     def handle(self, packet: bytes, *, from_parent: bool = False) -> list[tuple[Dest, bytes]]:
         """One packet (the reference's API): the packets it causes."""
-        row = np.zeros((1, self.engine.stride), np.uint8)
-        data = np.frombuffer(packet, np.uint8)[: self.engine.stride]
-        row[0, : data.size] = data
-        return self.process(row, np.array([len(packet)]), np.array([from_parent])).packets()
+        return self.process(*batch_of([packet], self.engine.stride), np.array([from_parent])).packets()
 
     # -- a batch -----------------------------------------------------------------------------------
     def process(self, buf: np.ndarray, lengths: np.ndarray, from_parent: np.ndarray) -> LeafOutputs:

@@ -29,6 +29,7 @@ from worker_lib.cli.args import int_in
 from worker_lib.job import JobConfig
 from worker_lib.wire import Header
 from worker_lib.wire.protocol import Counter
+from worker_lib.wire.serializer import batch_of
 
 LEAVES = 2
 
@@ -36,13 +37,6 @@ LEAVES = 2
 def _packets(buf: np.ndarray, lens: np.ndarray, rnd: int) -> list[bytes]:
     buf[:, 14], buf[:, 15] = (rnd >> 8) & 0xFF, rnd & 0xFF
     return [buf[i, :lens[i]].tobytes() for i in range(len(lens))]
-
-
-def _rows(packets: list[bytes], stride: int) -> tuple[np.ndarray, np.ndarray]:
-    rows = np.zeros((len(packets), stride), np.uint8)
-    for i, p in enumerate(packets):
-        rows[i, :len(p)] = np.frombuffer(p, np.uint8)
-    return rows, np.array([len(p) for p in packets])
 
 
 def rates(elems: int, batches: int) -> dict[str, float]:
@@ -74,7 +68,7 @@ def rates(elems: int, batches: int) -> dict[str, float]:
         t6 = time.perf_counter()
         if out.packets() != [(Dest.PARENT, p) for p in partials]:
             raise SystemExit("the leaf engine's partials are not the reference's: a bug")
-        rows, rlens = _rows(results, fast.engine.stride)
+        rows, rlens = batch_of(results, fast.engine.stride)
         t7 = time.perf_counter()
         fast.process(rows, rlens, np.ones(len(results), bool))
         t8 = time.perf_counter()

@@ -14,6 +14,7 @@ from aggregator.tiers import Dest, LeafAggregator, SpineAggregator
 from worker_lib.job import JobConfig, JobConfigError
 from worker_lib.wire import Header, PacketType, float_bits, pack_bits
 from worker_lib.wire.protocol import Counter, TierCounter
+from worker_lib.wire.serializer import batch_of
 
 K = 16
 JOBS = {
@@ -107,10 +108,8 @@ def test_batches_equal_the_reference_packet_by_packet(name: str, leaf: int, comp
     kinds = set()
 
     def run(batch: list[tuple[bytes, bool, list]]) -> None:
-        rows = np.zeros((len(batch), engine.engine.stride), np.uint8)
-        for i, (packet, _, _) in enumerate(batch):
-            rows[i, :len(packet)] = np.frombuffer(packet, np.uint8)
-        out = engine.process(rows, np.array([len(p) for p, _, _ in batch]), np.array([f for _, f, _ in batch]))
+        out = engine.process(*batch_of([p for p, _, _ in batch], engine.engine.stride),
+                             np.array([f for _, f, _ in batch]))
         want = sorted((Dest(d), p) for _, _, outs in batch for d, p in outs)
         assert sorted(out.packets()) == want, f"batch of {len(batch)}"
         kinds.update((d, Header.parse(p)[0].type) for d, p in want)
@@ -156,10 +155,7 @@ def test_a_parent_packet_after_a_workers_packet_of_its_slot_sees_that_packet() -
     for order, stale in (([0, 1, 2, "r", 1], 0), (["r", 0, 1, 2], 1)):
         engine = LeafEngine(0, [cfg])
         batch = [result if i == "r" else packets[i] for i in order]
-        rows = np.zeros((len(batch), engine.engine.stride), np.uint8)
-        for i, p in enumerate(batch):
-            rows[i, :len(p)] = np.frombuffer(p, np.uint8)
-        out = engine.process(rows, np.array([len(p) for p in batch]), np.array([i == "r" for i in order])).packets()
+        out = engine.process(*batch_of(batch, engine.engine.stride), np.array([i == "r" for i in order])).packets()
         assert engine.tier_counters[TierCounter.STALE_PARENT] == stale
         if not stale:
             assert [(d, Header.parse(p)[0].type) for d, p in out] == [
@@ -194,10 +190,7 @@ def test_a_burst_of_the_parents_answers_is_applied_at_once(monkeypatch: pytest.M
     stray = Header.parse(results[1])[0].replace(slot=7).pack(Header.parse(results[1])[1])
     batch = [*results, stray]
     monkeypatch.setattr(LeafEngine, "_parent", lambda *a: pytest.fail("the one-by-one path was taken"))
-    rows = np.zeros((len(batch), engine.engine.stride), np.uint8)
-    for i, p in enumerate(batch):
-        rows[i, :len(p)] = np.frombuffer(p, np.uint8)
-    got = engine.process(rows, np.array([len(p) for p in batch]), np.ones(len(batch), bool)).packets()
+    got = engine.process(*batch_of(batch, engine.engine.stride), np.ones(len(batch), bool)).packets()
     want = [o for p in batch for o in ref.handle(p, from_parent=True)]
     assert sorted(got) == sorted(want) and len(want) == 7
     assert {Header.parse(p)[0].type for _, p in want} == {PacketType.RESULT, PacketType.NORM_RESULT}

@@ -9,7 +9,7 @@ here needs torch: the transport's low-level calls and the aggregator use it dire
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -82,6 +82,16 @@ def build_batch(headers: np.ndarray | Mapping[str, np.ndarray], payloads: np.nda
             view[name] = value
     out[:, HEADER_BYTES:] = pay
     return out
+
+
+def batch_of(packets: Sequence[bytes], stride: int) -> tuple[np.ndarray, np.ndarray]:
+    """Packets as a receive batch: a (B, ``stride``) uint8 buffer, one packet per row (cut at ``stride``,
+    as a receive buffer would), and their lengths as sent."""
+    buf = np.zeros((len(packets), stride), np.uint8)
+    for i, p in enumerate(packets):
+        data = np.frombuffer(p, np.uint8)[:stride]
+        buf[i, :data.size] = data
+    return buf, np.array([len(p) for p in packets], np.int64)
 
 
 def header_view(buf: np.ndarray) -> np.ndarray:
