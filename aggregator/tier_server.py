@@ -82,25 +82,25 @@ class TierServer:
 
     def __init__(self, cfg: TierServerConfig, *, out: Callable[[str], None] = print) -> None:
         self.cfg, self.out = cfg, out
-        self.engine: LeafEngine | None = None
-        if cfg.role == "leaf" and cfg.engine != "reference":
-            self.engine = LeafEngine(cfg.leaf, cfg.jobs, max_batch=cfg.batch, compiled=cfg.engine == "compiled")
+        self.machine: LeafAggregator | SpineAggregator | LeafEngine
+        if cfg.role == "spine":
+            self.machine, self.parent = SpineAggregator(cfg.jobs), b""
+        else:
+            self.parent = sockaddr_in(socket.gethostbyname(cfg.upstream[0]), cfg.upstream[1])
+            self.machine = (LeafAggregator(cfg.leaf, cfg.jobs) if cfg.engine == "reference" else
+                            LeafEngine(cfg.leaf, cfg.jobs, max_batch=cfg.batch, compiled=cfg.engine == "compiled"))
+        self.engine = self.machine if isinstance(self.machine, LeafEngine) else None
+        self.sock = udp_socket(cfg.host, cfg.port)
+        if self.engine is not None:  # batches: the engine's rows, the shard's address book
+            self.io = BatchSocket(self.sock, batch=cfg.batch, stride=self.engine.engine.stride, max_send=4096)
             self.book = AddressBook()
             self.book.jobs = {job.job: WorkerAddresses(job.leaf(cfg.leaf)) for job in cfg.jobs}
-        if cfg.role == "leaf":
-            self.machine: LeafAggregator | SpineAggregator | LeafEngine = (
-                self.engine if self.engine is not None else LeafAggregator(cfg.leaf, cfg.jobs))
-            self.parent = sockaddr_in(socket.gethostbyname(cfg.upstream[0]), cfg.upstream[1])
-        else:
-            self.machine = SpineAggregator(cfg.jobs)
-            self.parent = b""
-        self.sock = udp_socket(cfg.host, cfg.port)
-        longest = max(32 + job.elems * job.result_bits // 8 for job in cfg.jobs)
-        stride = self.engine.engine.stride if self.engine is not None else max(longest, 1500)
-        self.io = BatchSocket(self.sock, batch=cfg.batch, stride=stride, max_send=4096)
+        else:  # one datagram at a time: answers copied into a send buffer, addresses in a dict
+            longest = max(32 + job.elems * job.result_bits // 8 for job in cfg.jobs)
+            self.io = BatchSocket(self.sock, batch=cfg.batch, stride=max(longest, 1500), max_send=4096)
+            self.addresses: dict[int, dict[int, bytes]] = {job.job: {} for job in cfg.jobs}  # job -> worker -> sockaddr
+            self._tx = np.zeros((self.io.max_send, longest), np.uint8)
         self.port = self.sock.getsockname()[1]
-        self.addresses: dict[int, dict[int, bytes]] = {job.job: {} for job in cfg.jobs}  # job -> worker -> sockaddr
-        self._tx = np.zeros((self.io.max_send, longest), np.uint8)
         self._running = True
         self._rng = np.random.default_rng(cfg.seed)
         self.parent_dropped = 0  #: packets to or from the parent dropped by ``parent_loss``
