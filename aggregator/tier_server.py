@@ -181,14 +181,13 @@ class TierServer:
         if n == 0:
             return 0
         rx, lengths, addr = io.rx[:n], io.rx_len[:n], io.rx_addr[:n]
-        rows = np.arange(n)
         from_parent = (addr[:, :8] == np.frombuffer(self.parent[:8], np.uint8)).all(axis=1)
         if self.cfg.parent_loss and from_parent.any():
-            lost = from_parent & (self._rng.random(n) < self.cfg.parent_loss)
+            lost = np.zeros(n, bool)
+            lost[from_parent] = self._losses(int(from_parent.sum()))
             if lost.any():
-                self.parent_dropped += int(lost.sum())
-                rows = np.flatnonzero(~lost)
-                rx, lengths, addr, from_parent = (np.ascontiguousarray(x[rows]) for x in (rx, lengths, addr,
+                kept = np.flatnonzero(~lost)
+                rx, lengths, addr, from_parent = (np.ascontiguousarray(x[kept]) for x in (rx, lengths, addr,
                                                                                           from_parent))
         assert self.engine is not None
         out = self.engine.process(rx, lengths, from_parent)
@@ -206,10 +205,8 @@ class TierServer:
             sel_rows.append(uni)
             sel_addr.append(addr[out.src[uni]])
         up = np.flatnonzero(dest == Dest.PARENT)
-        if self.cfg.parent_loss and up.size:
-            lost = self._rng.random(up.size) < self.cfg.parent_loss
-            self.parent_dropped += int(lost.sum())
-            up = up[~lost]
+        if up.size:
+            up = up[~self._losses(up.size)]
         if up.size:
             sel_rows.append(up)
             sel_addr.append(np.repeat(np.frombuffer(self.parent, np.uint8)[None, :], up.size, axis=0))
@@ -223,8 +220,14 @@ class TierServer:
 
     def _lose(self) -> bool:
         """Whether ``parent_loss`` drops the next packet on the parent link."""
-        lost = bool(self.cfg.parent_loss) and self._rng.random() < self.cfg.parent_loss
-        self.parent_dropped += lost
+        return bool(self._losses(1)[0])
+
+    def _losses(self, count: int) -> np.ndarray:
+        """Which of the next ``count`` packets on the parent link ``parent_loss`` drops (counted)."""
+        if not self.cfg.parent_loss:
+            return np.zeros(count, bool)
+        lost = self._rng.random(count) < self.cfg.parent_loss
+        self.parent_dropped += int(lost.sum())
         return lost
 
     def _send(self, sends: list[tuple[bytes, bytes]]) -> None:
