@@ -4,10 +4,13 @@ encode = norm + RHT (sign generation included: every step has new signs) + clamp
          quantization onto the table + b-bit packing
 decode = unpacking b-bit indices + table lookup (the sums of a single worker) + scaling + inverse RHT
 
-The break-even link rate is the bandwidth at which the bits THC saves upstream, (32 - b) per
-coordinate, take as long to send as encode + decode take to compute: above it, compressing pays.
+The break-even link rate is the bandwidth at which the bits THC saves upstream, (w - b) per
+coordinate for gradients of w bits (32 for float32, 16 for float16 and bfloat16), take as long to send
+as encode + decode take to compute: above it, compressing pays. With ``--dtype float16|bfloat16`` the
+gradient is held in that type, encode includes its conversion to float32 and decode the conversion back.
 
-    python benchmarks/compression.py [--dim 1048576] [--repeats 30] [--device cpu|cuda] [--threads N] [--json]
+    python benchmarks/compression.py [--dim 1048576] [--repeats 30] [--device cpu|cuda] [--dtype float32]
+                                     [--threads N] [--json]
     python benchmarks/compression.py --contention   # 1 and 2 threads, quiet and beside a busy process
 
 ``--contention`` runs the measurement in a fresh process for each of 1 and 2 torch threads, alone and
@@ -40,11 +43,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(config: THCConfig, dim: int, repeats: int, device: torch.device) -> dict:
-    """Median encode and decode times (seconds) over `repeats` steps, each with fresh signs."""
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def measure(config: THCConfig, dim: int, repeats: int, device: torch.device,
+            dtype: torch.dtype = torch.float32) -> dict:
+    """Median encode and decode times (seconds) over `repeats` steps, each with fresh signs, of a
+    gradient of type ``dtype`` (converted to float32 in encode and back in decode)."""
     codec = THCCodec(config, device=device, seed=1)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(dim, generator=gen).to(device)
+    x = torch.randn(dim, generator=gen).to(device, dtype)
     values = codec.quantizer.values
     buffers = codec.buffers(dim, SignKey.derive(1, 0, 0))
     # the receive side's own buffers, as a training loop reuses them every step
@@ -52,29 +60,36 @@ def measure(config: THCConfig, dim: int, repeats: int, device: torch.device) -> 
     received = torch.empty(padded, dtype=torch.uint8, device=device)
     sums = torch.empty(padded, dtype=torch.int32, device=device)
     est = torch.empty(dim, dtype=torch.float32, device=device)
+    out = est if dtype == torch.float32 else torch.empty(dim, dtype=dtype, device=device)
     enc_times, dec_times = [], []
     for step in range(repeats + 3):
         key = SignKey.derive(1, 0, step)
         _sync(device)
         t0 = time.perf_counter()
-        norm = float(torch.linalg.vector_norm(x))
-        enc = codec.encode(x, norm, key, buffers)
+        flat = x.to(torch.float32)
+        norm = float(torch.linalg.vector_norm(flat))
+        enc = codec.encode(flat, norm, key, buffers)
         payload = enc.packed()
         _sync(device)
         t1 = time.perf_counter()
         indices = unpack_indices(payload, config.bits, padded, out=received)
         torch.index_select(values, 0, indices.to(torch.int32), out=sums)
         codec.decode(sums, 1, enc.scale, dim, key, buffers, out=est)
+        if out is not est:
+            out.copy_(est)
         _sync(device)
         t2 = time.perf_counter()
         if step >= 3:  # warm-up excluded
             enc_times.append(t1 - t0)
             dec_times.append(t2 - t1)
-    nmse = float(torch.sum((est - x) ** 2) / torch.sum(x ** 2))
+    xf, of = x.double(), out.double()
+    nmse = float(torch.sum((of - xf) ** 2) / torch.sum(xf ** 2))
     enc_s, dec_s = statistics.median(enc_times), statistics.median(dec_times)
-    saved_bits = (32 - config.bits) * dim
+    dense_bits = torch.finfo(dtype).bits
+    saved_bits = (dense_bits - config.bits) * dim
     return {
-        "device": str(device), "dim": dim, "bits": config.bits, "granularity": config.granularity,
+        "device": str(device), "dtype": str(dtype).removeprefix("torch."), "dense_bits": dense_bits,
+        "dim": dim, "bits": config.bits, "granularity": config.granularity,
         "p": config.p, "backend": "fht-cpu" if device.type == "cpu" and have_fht_cpu() else "torch",
         "threads": torch.get_num_threads(), "repeats": repeats,
         "encode_ms": enc_s * 1e3, "decode_ms": dec_s * 1e3,
@@ -94,7 +109,7 @@ def contention(args: argparse.Namespace) -> list[dict]:
                 time.sleep(0.2 if busy else 0)  # let the neighbour reach full speed
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--json", "--threads", str(threads),
                        "--dim", str(args.dim), "--repeats", str(args.repeats), "--bits", str(args.bits),
-                       "--granularity", str(args.granularity), "--backend", args.backend]
+                       "--granularity", str(args.granularity), "--backend", args.backend, "--dtype", args.dtype]
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
             finally:
                 if hog is not None:
@@ -132,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--granularity", type=int_in(1, 4096), default=30,
                         help="table granularity g, 2^b - 1..4096 (default 30)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                        help="the gradient's type; the break-even counts the bits it would send (default float32)")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "fht-cpu"],
                         help="Hadamard engine (auto: fht-cpu on CPU when installed)")
     parser.add_argument("--threads", type=int_in(1, 1024),
@@ -162,15 +179,15 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {'busy' if r['busy_neighbour'] else 'none':>10} {r['threads']:>7} {r['encode_ms']:9.2f} "
                   f"{r['decode_ms']:9.2f} {r['break_even_gbit_s']:17.2f}")
         return
-    res = measure(config, args.dim, args.repeats, device)
+    res = measure(config, args.dim, args.repeats, device, DTYPES[args.dtype])
     if not args.json and args.backend == "auto" and device.type == "cpu":
         torch_only = measure(THCConfig(bits=args.bits, granularity=args.granularity, backend="torch"),
-                             args.dim, args.repeats, torch.device("cpu"))
+                             args.dim, args.repeats, torch.device("cpu"), DTYPES[args.dtype])
         res["torch_backend_break_even_gbit_s"] = torch_only["break_even_gbit_s"]
     if args.json:
         print(json.dumps(res))
         return
-    print(f"THC b={res['bits']} g={res['granularity']} d={res['dim']} on {res['device']} "
+    print(f"THC b={res['bits']} g={res['granularity']} d={res['dim']} {res['dtype']} on {res['device']} "
           f"({res['backend']}, {res['threads']} threads), median of {res['repeats']}")
     print(f"  encode {res['encode_ms']:8.2f} ms  {res['encode_coords_per_s'] / 1e6:8.1f} M coords/s")
     print(f"  decode {res['decode_ms']:8.2f} ms  {res['decode_coords_per_s'] / 1e6:8.1f} M coords/s")

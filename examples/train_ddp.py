@@ -109,8 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter and gradient dtype")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per local rank")
-    p.add_argument("--backend", help="process group backend (default: nccl on cuda, gloo on cpu)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: one GPU per local rank, or ranks sharing the GPUs round-robin where there are fewer")
+    p.add_argument("--backend", help="process group backend (default: nccl with a GPU per local rank, else gloo)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="steps excluded from the step-time figures")
     p.add_argument("--check-every-step", action="store_true",
@@ -228,11 +229,15 @@ def train(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    device = torch.device("cpu")
+    device, backend = torch.device("cpu"), args.backend or "gloo"
     if args.device == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: this torch sees no CUDA device")
+        gpus = torch.cuda.device_count()
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % gpus)
         torch.cuda.set_device(device)
-    backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+        # NCCL refuses two ranks on one GPU; gloo moves CUDA tensors through host memory instead
+        backend = args.backend or ("nccl" if local_world <= gpus else "gloo")
     dist.init_process_group(backend, timeout=timedelta(seconds=max(120.0, 6 * args.deadline)))
     try:
         return _run(args, rank, world, local_world, device)
@@ -324,7 +329,7 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_world: int, devi
             mean_losses = [sum(ls[s] for ls in all_losses) / world for s in range(args.steps)]  # type: ignore[index]
             summary = {
                 "compression": args.compression, "task": args.task, "accuracy": accuracies, "world_size": world,
-                "steps": args.steps, "dtype": args.dtype,
+                "steps": args.steps, "dtype": args.dtype, "device": str(device), "backend": dist.get_backend(),
                 "parameters": sum(p.numel() for p in model.parameters()), "losses": mean_losses,
                 "final_loss": mean_losses[-1] if mean_losses else float("nan"),
                 "identical": len(set(digests)) == 1, "identical_every_step": identical_steps,

@@ -154,3 +154,19 @@ def test_tier_benchmark_times_every_role_on_the_same_rounds() -> None:
     r = rates(64, 2)
     assert set(r) == {"elems", "leaf_engine_pps", "leaf_pps", "spine_pps", "engine_pps"} and r["elems"] == 64
     assert all(r[k] > 0 for k in ("leaf_engine_pps", "leaf_pps", "spine_pps", "engine_pps"))
+
+
+@pytest.mark.parametrize(("dtype", "dense_bits"), [("float32", 32), ("bfloat16", 16), ("float16", 16)])
+def test_compression_counts_the_bits_of_the_gradients_type(dtype: str, dense_bits: int) -> None:
+    """--dtype: the gradient is held in that type, and the break-even link rate counts the bits it would
+    send (dense_bits - b per coordinate) over encode plus decode; the round trip still decodes close."""
+    import torch
+
+    from benchmarks.compression import DTYPES, measure
+    from worker_lib.thc import THCConfig
+
+    r = measure(THCConfig(bits=4, granularity=30), 4096, 2, torch.device("cpu"), DTYPES[dtype])
+    assert r["dtype"] == dtype and r["dense_bits"] == dense_bits
+    expected = (dense_bits - 4) * 4096 / ((r["encode_ms"] + r["decode_ms"]) / 1e3) / 1e9
+    assert r["break_even_gbit_s"] == pytest.approx(expected)
+    assert 0 < r["nmse_single_worker"] < 0.05

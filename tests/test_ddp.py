@@ -93,6 +93,20 @@ def test_thc_identical_every_step_and_loss_tracks_ddp(tmp_path: Path, baseline: 
     assert thc < LOSS_TOLERANCE * ref + LOSS_SLACK, (thc, ref)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none visible)")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_thc_on_cuda_tensors(tmp_path: Path, dtype: str) -> None:
+    """Model and gradients on a GPU (both ranks share it where there is one): the hook compresses and
+    decodes on the device, the aggregator sums, the replicas stay bit-identical after every step and
+    the model learns."""
+    s = run_example(tmp_path, "thc", "--device", "cuda", "--dtype", dtype)
+    assert s["device"].startswith("cuda") and s["dtype"] == dtype
+    assert s["identical_every_step"] == [True] * STEPS
+    hook = s["hook"][0]
+    assert hook["coordinates"] == STEPS * s["parameters"] and hook["lost_chunks"] == 0
+    assert tail_mean(s["losses"]) < 0.5 * s["losses"][0], s["losses"]
+
+
 def test_uncompressed_job_matches_ddp(tmp_path: Path, baseline: dict) -> None:
     """The aggregator's int32 fixed-point job gives (nearly) the float all_reduce's training curve."""
     s = run_example(tmp_path, "uncompressed", ranks=2)
