@@ -383,15 +383,14 @@ def test_leaf_command_line_needs_an_output(tmp_path: Path, capsys: pytest.Captur
     assert "for the leaf on tofino" in capsys.readouterr().err
 
 
-#: bf-p4c 1.2.5.16 (p4c 34b86e9bac) does not place the leaf yet (docs/tofino.md, "The leaf of two-tier jobs").
-LEAF_NOT_PLACED = pytest.mark.xfail(run=False, strict=True, reason=(
-    "bf-p4c cannot place the leaf: tag_step and the pass-2 FORWARDED write do not fit the input crossbar "
-    "('could not fit within the input crossbar by itself'), K = 32 on Tofino 1 and K = 128 on Tofino 2"))
+#: The Tofino 2 leaf (K = 128) takes bf-p4c about 5 minutes on two cores, more than the whole suite can spare
+#: within CI's 15 minutes; it runs where THC_LONG_COMPILES=1 (docs/tofino.md, "The leaf of two-tier jobs").
+LONG_COMPILE = pytest.mark.skipif(os.environ.get("THC_LONG_COMPILES") != "1", reason=(
+    "the Tofino 2 leaf's bf-p4c compile takes about 5 minutes on 2 cores: set THC_LONG_COMPILES=1 to run it"))
 
 
-@pytest.mark.parametrize(("target", "leaf"), [("tofino", False), ("tofino2", False),
-                                            pytest.param("tofino", True, marks=LEAF_NOT_PLACED),
-                                            pytest.param("tofino2", True, marks=LEAF_NOT_PLACED)],
+@pytest.mark.parametrize(("target", "leaf"), [("tofino", False), ("tofino2", False), ("tofino", True),
+                                            pytest.param("tofino2", True, marks=LONG_COMPILE)],
                          ids=["tofino", "tofino2", "tofino-leaf", "tofino2-leaf"])
 def test_bf_p4c_compiles_the_program(tmp_path: Path, target: str, leaf: bool) -> None:
     """Where the Tofino back end (bf-p4c) is installed, the program compiles for Tofino 1 (the checked-in

@@ -350,6 +350,18 @@ control ThcWord(in bit<8> op, in bit<32> bank, inout bit<32> word) {
     }
 }
 
+#ifdef THC_LEAF
+// The 32-bit operands of the leaf's stateful ALUs (bank_tag's tags, bank_upstream's cells) have a half that
+// is a copy of a 16-bit round. The round fields are sliced at bit 1 (the bank parity, round[0:0], feeds
+// the register indices), and under the leaf's PHV pressure bf-p4c otherwise put bit 0 of such a half in one
+// container and bits 15..1 in another, which the stateful ALU's input crossbar cannot take as one operand
+// ("could not fit within the input crossbar by itself"). These pin each half to one 16-bit container
+// (parent_cell's low half is two bytes: the contributors and the state, written separately).
+@pa_container_size("ingress", "meta.tag", 16, 16)
+@pa_container_size("ingress", "meta.other_tag", 16, 16)
+@pa_container_size("ingress", "meta.lf.forwarded", 16, 16)
+@pa_container_size("ingress", "meta.lf.parent_cell", 8, 8, 16)
+#endif
 control ThcIngress(inout thc_headers_t hdr, inout thc_metadata_t meta,
                    in ingress_intrinsic_metadata_t ig_intr_md,
                    in ingress_intrinsic_metadata_from_parser_t ig_prsr_md,
