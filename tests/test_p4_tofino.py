@@ -13,6 +13,8 @@ import random
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -385,34 +387,72 @@ def test_leaf_command_line_needs_an_output(tmp_path: Path, capsys: pytest.Captur
 
 #: The Tofino 2 leaf (K = 128) takes bf-p4c about 5 minutes on two cores, more than the whole suite can spare
 #: within CI's 15 minutes; it runs where THC_LONG_COMPILES=1 (docs/tofino.md, "The leaf of two-tier jobs").
-LONG_COMPILE = pytest.mark.skipif(os.environ.get("THC_LONG_COMPILES") != "1", reason=(
+LONG_COMPILES = os.environ.get("THC_LONG_COMPILES") == "1"
+LONG_COMPILE = pytest.mark.skipif(not LONG_COMPILES, reason=(
     "the Tofino 2 leaf's bf-p4c compile takes about 5 minutes on 2 cores: set THC_LONG_COMPILES=1 to run it"))
+#: (target, leaf) of every bf-p4c compile, by test id.
+BF_P4C_BUILDS = {"tofino": ("tofino", False), "tofino2": ("tofino2", False), "tofino-leaf": ("tofino", True),
+                 "tofino2-leaf": ("tofino2", True)}
 
 
-@pytest.mark.parametrize(("target", "leaf"), [("tofino", False), ("tofino2", False), ("tofino", True),
-                                            pytest.param("tofino2", True, marks=LONG_COMPILE)],
-                         ids=["tofino", "tofino2", "tofino-leaf", "tofino2-leaf"])
-def test_bf_p4c_compiles_the_program(tmp_path: Path, target: str, leaf: bool) -> None:
+@dataclass
+class Build:
+    """One bf-p4c compile started in the background."""
+    proc: subprocess.Popen
+    out: Path
+    geometry: gen.TofinoGeometry
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bf_p4c_builds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Build]]:
+    """Every compile of test_bf_p4c_compiles_the_program, started with this module's first test: bf-p4c
+    runs on one core, so the compiles run beside each other and beside the module's other tests, and take
+    about the longest one's time instead of their sum (about 2 minutes of CI). Empty without bf-p4c."""
+    bf = shutil.which("bf-p4c") or shutil.which("p4c-barefoot")
+    builds: dict[str, Build] = {}
+    if bf is None:
+        yield builds
+        return
+    try:
+        for name, (target, leaf) in BF_P4C_BUILDS.items():
+            if name == "tofino2-leaf" and not LONG_COMPILES:
+                continue
+            root = tmp_path_factory.mktemp(f"bf-p4c-{name}")
+            g = gen.TofinoGeometry(target=target, elems=gen.LEAF_MAX_ELEMS[target] if leaf else None)
+            program = PROGRAM
+            if target != "tofino" or leaf:
+                program = root / "src" / "thc.p4"
+                program.parent.mkdir()
+                program.write_text(gen.render(g, leaf=leaf))
+                shutil.copy(P4_DIR / "tofino" / "parser.p4", program.parent / "parser.p4")
+            cmd = [bf, "--target", target, "--arch", g.arch, "-I", str(INCLUDE_DIR), "-o", str(root / "out"),
+                   str(program)]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            builds[name] = Build(proc, root / "out", g)
+        yield builds
+    finally:
+        for b in builds.values():
+            if b.proc.poll() is None:
+                b.proc.kill()
+            b.proc.communicate()
+
+
+@pytest.mark.parametrize("build_id", [*[n for n in BF_P4C_BUILDS if n != "tofino2-leaf"],
+                                      pytest.param("tofino2-leaf", marks=LONG_COMPILE)])
+def test_bf_p4c_compiles_the_program(bf_p4c_builds: dict[str, Build], build_id: str) -> None:
     """Where the Tofino back end (bf-p4c) is installed, the program compiles for Tofino 1 (the checked-in
     file, K = 64) and Tofino 2 (rendered with --target tofino2, K = 160), and so does the leaf of two-tier
     jobs (p4gen.tofino --leaf, at the largest K the generator allows it); every table, key, action,
     parameter, register and counter that the bfrt load and stats scripts name exists in the compiler's
     bfrt.json under that name."""
-    bf = shutil.which("bf-p4c") or shutil.which("p4c-barefoot")
-    if bf is None:
+    if not bf_p4c_builds:
         pytest.skip("needs bf-p4c or p4c-barefoot (the Tofino compiler back end, p4c backends/tofino or Intel's "
                     "SDE) on PATH; p4src/tofino/README.md says what it reported of this program where it ran")
-    g = gen.TofinoGeometry(target=target, elems=gen.LEAF_MAX_ELEMS[target] if leaf else None)
-    program = PROGRAM
-    if target != "tofino" or leaf:
-        program = tmp_path / "src" / "thc.p4"
-        program.parent.mkdir()
-        program.write_text(gen.render(g, leaf=leaf))
-        shutil.copy(P4_DIR / "tofino" / "parser.p4", program.parent / "parser.p4")
-    out = tmp_path / "out"
-    cmd = [bf, "--target", target, "--arch", g.arch, "-I", str(INCLUDE_DIR), "-o", str(out), str(program)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3000, check=False)
-    assert proc.returncode == 0, f"bf-p4c failed:\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}"
+    target, leaf = BF_P4C_BUILDS[build_id]
+    build = bf_p4c_builds[build_id]
+    g, out = build.geometry, build.out
+    log, _ = build.proc.communicate(timeout=3000)
+    assert build.proc.returncode == 0, f"bf-p4c failed:\n{log[-6000:]}"
     assert (out / "pipe" / f"{target}.bin").is_file()
 
     bfrt = {t["name"]: t for t in json.loads((out / "bfrt.json").read_text())["tables"]}
