@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from worker_lib.cli.args import int_in
+from worker_lib.cli.args import FLOAT_DTYPES, int_in
 from worker_lib.thc import THCCodec, THCConfig
 from worker_lib.thc.hadamard import have_fht_cpu
 from worker_lib.thc.quantize import unpack_indices
@@ -41,9 +41,6 @@ from worker_lib.thc.signs import SignKey
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def measure(config: THCConfig, dim: int, repeats: int, device: torch.device,
@@ -147,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--granularity", type=int_in(1, 4096), default=30,
                         help="table granularity g, 2^b - 1..4096 (default 30)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+    parser.add_argument("--dtype", default="float32", choices=FLOAT_DTYPES,
                         help="the gradient's type; the break-even counts the bits it would send (default float32)")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "fht-cpu"],
                         help="Hadamard engine (auto: fht-cpu on CPU when installed)")
@@ -179,10 +176,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {'busy' if r['busy_neighbour'] else 'none':>10} {r['threads']:>7} {r['encode_ms']:9.2f} "
                   f"{r['decode_ms']:9.2f} {r['break_even_gbit_s']:17.2f}")
         return
-    res = measure(config, args.dim, args.repeats, device, DTYPES[args.dtype])
+    dtype = getattr(torch, args.dtype)
+    res = measure(config, args.dim, args.repeats, device, dtype)
     if not args.json and args.backend == "auto" and device.type == "cpu":
         torch_only = measure(THCConfig(bits=args.bits, granularity=args.granularity, backend="torch"),
-                             args.dim, args.repeats, torch.device("cpu"), DTYPES[args.dtype])
+                             args.dim, args.repeats, torch.device("cpu"), dtype)
         res["torch_backend_break_even_gbit_s"] = torch_only["break_even_gbit_s"]
     if args.json:
         print(json.dumps(res))

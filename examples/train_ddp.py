@@ -45,13 +45,12 @@ from torch.nn.parallel import DistributedDataParallel
 from launchers.aggregator_process import local_aggregator, local_tiers
 from sim.data import DATASETS, Dataset, load_dataset, shard_indices
 from sim.models import make_model as make_classifier
-from worker_lib.cli.args import comma_list, host_port, int_in
+from worker_lib.cli.args import FLOAT_DTYPES, comma_list, host_port, int_in
 from worker_lib.ddp import AggregatorUnreachable, DDPHookConfig, THCHookState, register_thc_hook
 from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig, JobConfigError, job_from_mapping
 
 log = logging.getLogger("train_ddp")
 _STORE_KEY = "thc/aggregator"
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32, help="samples per rank and step")
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter and gradient dtype")
+    p.add_argument("--dtype", choices=FLOAT_DTYPES, default="float32", help="parameter and gradient dtype")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one GPU per local rank, or ranks sharing the GPUs round-robin where there are fewer")
     p.add_argument("--backend", help="process group backend (default: nccl with a GPU per local rank, else gloo)")
@@ -252,7 +251,7 @@ def train(args: argparse.Namespace) -> dict:
 def _run(args: argparse.Namespace, rank: int, world: int, local_world: int, device: torch.device) -> dict:
     summary: dict = {}
     with contextlib.ExitStack() as stack:
-        dtype = _DTYPES[args.dtype]
+        dtype = getattr(torch, args.dtype)
         data = None if args.task == "regression" else load_dataset(args.task, seed=args.seed)
         shard = None if data is None else torch.as_tensor(shard_indices(len(data.train_y), world, args.seed)[rank])
         model = make_model(args, data).to(device=device, dtype=dtype)

@@ -407,18 +407,22 @@ class Build:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def bf_p4c_builds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Build]]:
-    """Every compile of test_bf_p4c_compiles_the_program, started with this module's first test: bf-p4c
-    runs on one core, so the compiles run beside each other and beside the module's other tests, and take
-    about the longest one's time instead of their sum (about 2 minutes of CI). Empty without bf-p4c."""
+def bf_p4c_builds(request: pytest.FixtureRequest,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Build]]:
+    """The compiles of the selected test_bf_p4c_compiles_the_program cases, started with this module's first
+    test: bf-p4c runs on one core, so the compiles run beside each other and beside the module's other
+    tests, and take about the longest one's time instead of their sum (about 2 minutes of CI). Empty
+    without bf-p4c."""
     bf = shutil.which("bf-p4c") or shutil.which("p4c-barefoot")
     builds: dict[str, Build] = {}
     if bf is None:
         yield builds
         return
+    selected = {item.callspec.params["build_id"] for item in request.session.items
+                if getattr(item, "originalname", "") == "test_bf_p4c_compiles_the_program"}
     try:
         for name, (target, leaf) in BF_P4C_BUILDS.items():
-            if name in LONG_BUILDS and not LONG_COMPILES:
+            if name not in selected or (name in LONG_BUILDS and not LONG_COMPILES):
                 continue
             root = tmp_path_factory.mktemp(f"bf-p4c-{name}")
             g = gen.TofinoGeometry(target=target, elems=gen.LEAF_MAX_ELEMS[target] if leaf else None)

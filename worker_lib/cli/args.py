@@ -10,6 +10,10 @@ from worker_lib.thc.table import parse_fraction
 
 T = TypeVar("T")
 
+#: The floating-point types a gradient may have on the command lines (``--dtype``), by torch's names: the
+#: torch type is ``getattr(torch, name)`` (this module stays free of torch, which the light CLIs skip).
+FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+
 
 def fraction(text: str) -> float:
     """Parse a probability written as a decimal (0.03125) or a fraction (1/32)."""
