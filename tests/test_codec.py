@@ -239,3 +239,51 @@ def test_per_chunk_counts_and_zero_fill():
     rht = RandomizedHadamard(d, key)
     dec = c.decode(sums, counts, encs[0].scale, d, key, lost=lost)
     assert torch.allclose(dec, rht.inverse(filled.clone()), atol=1e-5)
+
+
+def _lossy_allreduce(errors, outs=None, residual_fails=False):
+    """Three workers through the simulated network with loss on the way up (some chunks lost, others
+    with two contributors): the per-coordinate decoding path."""
+    import numpy as np
+
+    from sim.network import LinkLoss, SimulatedNetwork
+    from worker_lib.allreduce import thc_allreduce
+    from worker_lib.job import JobConfig
+
+    job = JobConfig(workers=3, elems=64, slots=64, threshold=2)
+    net = SimulatedNetwork(job, LinkLoss(up=0.2), seed=4)
+    workers = [THCWorker(THCConfig(error_feedback=False), job=1, worker=w, seed=w) for w in range(3)]
+    if residual_fails:
+        def fail(*args, **kwargs):
+            raise RuntimeError("residual failed")
+        workers[1].residual = fail
+    gen = torch.Generator().manual_seed(8)
+    grads = [torch.randn(3000, generator=gen) for _ in range(3)]
+    res = thc_allreduce(workers, net.step(np.zeros(3, bool)), [g.clone() for g in grads], errors=errors, outs=outs)
+    return grads, res
+
+
+def test_allreduce_decodes_into_outs_and_computes_the_error_beside_the_exchange():
+    """With ``outs`` each average is decoded into the given tensor (the gradient itself may be one): bit
+    for bit what a fresh tensor gets. The caller-kept error, computed on a helper thread while the
+    indices travel, equals x - RHT^-1(X_i) computed after the exchange from the step's own indices; an
+    exception there reaches the caller."""
+    errors_a = [torch.full((3000,), 0.01) for _ in range(3)]
+    grads, plain = _lossy_allreduce(errors_a)
+    assert any(r.lost.any() for r in plain) and any((r.contributors == 2).any() for r in plain)
+    errors_b = [torch.full((3000,), 0.01) for _ in range(3)]
+    outs = [torch.empty(3000) for _ in range(3)]
+    _, direct = _lossy_allreduce(errors_b, outs=outs)
+    for p, d, o, ea, eb in zip(plain, direct, outs, errors_a, errors_b, strict=True):
+        assert d.average.data_ptr() == o.data_ptr() and torch.equal(p.average, o)
+        assert torch.equal(ea, eb)
+    # the error from its definition, with the step's rotation and the indices each worker sent
+    config = THCConfig()
+    values = torch.tensor(THCCodec(config).table.values, dtype=torch.float64)
+    for g, r, e in zip(grads, plain, errors_a, strict=True):
+        rht = RandomizedHadamard(3000, SignKey.derive(1, 0, 0), dtype=torch.float64)
+        scale = config.t_p * r.max_norm / math.sqrt(rht.padded)
+        x_i = -scale + values[torch.from_numpy(r.indices).long()] * 2 * scale / config.granularity
+        assert torch.allclose(e.double(), (g.double() + 0.01) - rht.inverse(x_i), atol=1e-5)
+    with pytest.raises(RuntimeError, match="residual failed"):
+        _lossy_allreduce([torch.zeros(3000) for _ in range(3)], residual_fails=True)

@@ -12,8 +12,9 @@ from scipy.linalg import hadamard
 from worker_lib.thc.hadamard import RandomizedHadamard, fwht, have_fht_cpu, next_pow2
 from worker_lib.thc.signs import SignKey, rademacher
 
-BACKENDS = ["torch", pytest.param("fht-cpu", marks=pytest.mark.skipif(
-    not have_fht_cpu(), reason="the fht-cpu package is not installed (x86-64 wheel only)"))]
+needs_fht_cpu = pytest.mark.skipif(not have_fht_cpu(),
+                                   reason="the fht-cpu package is not installed (x86-64 wheel only)")
+BACKENDS = ["torch", pytest.param("fht-cpu", marks=needs_fht_cpu)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -66,6 +67,7 @@ def test_rht_equals_explicit_matrix_product():
 
 
 def test_rekey_changes_signs_in_place():
+    """The float signs of the torch path are rebuilt into their own buffer at a new key."""
     rht = RandomizedHadamard(100, SignKey.derive(1, 1, 1))
     buf = rht.signs
     rht.rekey(SignKey.derive(1, 1, 2))
@@ -83,3 +85,48 @@ def test_bad_inputs():
         rht.forward(torch.zeros(6))
     with pytest.raises(ValueError):
         next_pow2(0)
+
+
+@needs_fht_cpu
+@pytest.mark.parametrize("d", [1, 5, 32, 33, 1000, 4099])
+def test_compiled_rotation_is_the_torch_composition_bit_for_bit(d):
+    """On the CPU in float32 the RHT's sign flips, padding, normalisation and subtraction run as compiled
+    passes over the key's sign words; every output equals, bit for bit, the composition of torch
+    operations with the materialised float signs (``rademacher``, itself checked against the spec) around
+    the same fht-cpu transform: forward, inverse, inverse into a destination, and x - RHT^-1(y)."""
+    key = SignKey.derive(7, d, 3)
+    padded = next_pow2(d)
+    signs = rademacher(key, padded)
+    gen = torch.Generator().manual_seed(d)
+    x, y = torch.randn(d, generator=gen), torch.randn(padded, generator=gen)
+    minus = torch.randn(d, generator=gen)
+    rht = RandomizedHadamard(d, key)
+
+    want_fwd = torch.zeros(padded)
+    torch.mul(x, signs[:d], out=want_fwd[:d])
+    want_fwd = fwht(want_fwd, backend="fht-cpu", inplace=True)
+    assert torch.equal(rht.forward(x), want_fwd)
+
+    want_inv = fwht(y.clone(), backend="fht-cpu", inplace=True).mul_(signs)[:d]
+    assert torch.equal(rht.inverse(y), want_inv)
+    dest = torch.full((d,), 9.0)
+    assert rht.inverse_into(y.clone(), dest) is dest and torch.equal(dest, want_inv)
+    assert torch.equal(rht.inverse_into(y.clone(), dest, minus=minus), torch.sub(minus, want_inv))
+
+
+@needs_fht_cpu
+def test_rekey_switches_the_compiled_signs_too():
+    """After ``rekey`` the compiled passes use the new key's signs (and ``signs`` shows them)."""
+    d, old, new = 100, SignKey.derive(1, 1, 1), SignKey.derive(1, 1, 2)
+    x = torch.randn(d)
+    rht = RandomizedHadamard(d, old)
+    rht.rekey(new)
+    assert torch.equal(rht.forward(x), RandomizedHadamard(d, new).forward(x))
+    assert torch.equal(rht.signs, rademacher(new, 128))
+    assert not torch.equal(rht.forward(x), RandomizedHadamard(d, old).forward(x))
+
+
+def test_inverse_into_refuses_wrong_shapes():
+    rht = RandomizedHadamard(5, SignKey.derive(0, 0, 0))
+    with pytest.raises(ValueError, match="length 8 into one of 5"):
+        rht.inverse_into(torch.zeros(8), torch.zeros(6))

@@ -169,3 +169,18 @@ def test_compiled_estimate_is_from_grid_and_checks_the_range(dtype: torch.dtype)
         wrong = sums.clone()
         wrong[4000] = bad
         assert not fused.estimate_into(wrong.numpy(), g * count, step, np.float32(-m), out.numpy())
+
+
+def test_compiled_own_values_are_the_table_lookup_on_the_grid() -> None:
+    """A worker's own values X_i come from one compiled pass on the CPU; they equal from_grid of the
+    torch table lookup exactly, for indices covering the whole table."""
+    from worker_lib.thc import THCCodec, THCConfig
+    from worker_lib.thc.codec import Encoded
+
+    codec = THCCodec(THCConfig())
+    indices = torch.randint(0, 16, (4101,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    enc = Encoded(indices, 1.37, 4101, 4)
+    got = codec.own_values(enc, out=torch.empty(4101))
+    looked_up = torch.index_select(codec.quantizer.values, 0, indices.to(torch.int32))
+    assert torch.equal(got, from_grid(looked_up, 1, -1.37, 1.37, 30))
+    assert torch.equal(codec.own_values(enc), got)  # without a destination: the torch path

@@ -266,7 +266,8 @@ class THCHookState:
             avg = self._average_fixed_point(flat.to(torch.float32), index)
         else:
             avg = self._average_thc(flat, index, params, sizes, step)
-        buffer.copy_(avg.reshape(buffer.shape).to(buffer.dtype))
+        if avg.data_ptr() != buffer.data_ptr():  # THC decodes float32 buckets in place
+            buffer.copy_(avg.reshape(buffer.shape).to(buffer.dtype))
         st.decode_s += time.perf_counter() - t0 - (st.encode_s + st.network_s - busy)  # the rest of the bucket's time
         st.buckets += 1
         st.coordinates += flat.numel()
@@ -281,8 +282,9 @@ class THCHookState:
         with the hook's per-parameter error feedback."""
         cfg, st, p = self.config, self.stats, self.transport.cfg.params
         err = self.bucket_errors(index, params, sizes, flat.device) if cfg.error_feedback else None
-        (res,) = thc_allreduce([self._worker_for(flat.device)], self._exchange, [flat.to(torch.float32)],
-                               tensor=index, step=step, errors=None if err is None else [err])
+        grad = flat.to(torch.float32)  # the bucket itself when it is float32: decoded into it in place
+        (res,) = thc_allreduce([self._worker_for(flat.device)], self._exchange, [grad],
+                               tensor=index, step=step, errors=None if err is None else [err], outs=[grad])
         st.encode_s += res.encode_s
         st.network_s += res.network_s
         st.bytes_sent += res.sums.shape[0] * p.elems * p.bits // 8

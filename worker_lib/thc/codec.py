@@ -247,13 +247,19 @@ class THCCodec:
         if sums.numel() != buf.rht.padded:
             raise ValueError(f"expected {buf.rht.padded} sums, got {sums.numel()}")
         est = self.rotated_estimate(sums.reshape(-1), count, scale, out=buf.ws.rotated, lost=lost)
-        back = buf.rht.inverse(est, out=est)
-        return back.clone() if out is None else out.copy_(back)
+        dest = torch.empty(length, dtype=torch.float32, device=self.device) if out is None else out
+        return buf.rht.inverse_into(est, dest)
 
     def own_values(self, enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
         """X_i, the rotated-domain values this worker's indices stand for."""
+        g = self.table.granularity
+        if (out is not None and enc.indices.device.type == "cpu" and out.dtype == torch.float32
+                and out.is_contiguous() and enc.indices.is_contiguous()):  # one compiled pass (fused.py)
+            fused.lookup_estimate_into(enc.indices.numpy(), self.quantizer.values.numpy(),
+                                       np.float32((2 * enc.scale) / g), np.float32(-enc.scale), out.numpy())
+            return out
         looked_up = torch.index_select(self.quantizer.values, 0, enc.indices.to(torch.int32))
-        return from_grid(looked_up, 1, -enc.scale, enc.scale, self.table.granularity, out=out)
+        return from_grid(looked_up, 1, -enc.scale, enc.scale, g, out=out)
 
     def unpack(self, buf: torch.Tensor, count: int) -> torch.Tensor:
         return unpack_indices(buf, self.table.bits, count)
@@ -303,8 +309,12 @@ class THCWorker:
         st = self._tensors.get(tensor)
         return st.error if st is not None and st.has_error else None
 
-    def begin(self, grad: torch.Tensor, tensor: int, step: int) -> float:
-        """Add error feedback, rotate, and return the norm to publish in the preliminary stage."""
+    def begin(self, grad: torch.Tensor, tensor: int, step: int, *, error: torch.Tensor | None = None) -> float:
+        """Add error feedback, rotate, and return the norm to publish in the preliminary stage.
+
+        ``error``: error feedback kept by the caller (the DDP hook keeps it per parameter), added to the
+        gradient here instead of this worker's own; ``residual`` then computes the next one.
+        """
         flat, norm = check_vector(grad)
         key = SignKey.derive(self.job, tensor, step)
         st = self._tensors.get(tensor)
@@ -312,10 +322,18 @@ class THCWorker:
             buffers = self.codec.buffers(flat.numel(), key)
             zeros = torch.zeros(flat.numel(), dtype=torch.float32, device=self.codec.device)
             st = self._tensors[tensor] = _TensorState(buffers, zeros.clone(), zeros)
-        st.x.copy_(flat)
-        if self.config.error_feedback and st.has_error:
-            st.x.add_(st.error)
-            norm = float(torch.linalg.vector_norm(st.x))
+        own = self.config.error_feedback and st.has_error
+        if error is not None:
+            if error.shape != (flat.numel(),):
+                raise ValueError(f"the error feedback has shape {tuple(error.shape)}, the gradient {flat.numel()} "
+                                 "coordinates")
+            torch.add(flat, error, out=st.x)  # into the tensor's buffer: no new 4 bytes per coordinate
+        else:
+            st.x.copy_(flat)
+            if own:
+                st.x.add_(st.error)
+        if error is not None or own:
+            norm = check_vector(st.x, "the gradient plus its error feedback")[1]
         st.key, st.shape, st.dtype, st.encoded, st.norm = key, grad.shape, grad.dtype, None, norm
         self.codec.rotate(st.x, key, st.buffers)
         return st.norm
@@ -331,15 +349,16 @@ class THCWorker:
         st.encoded = self.codec.quantize_rotated(st.buffers.ws.rotated, max_norm, st.x.numel(), st.buffers)
         return st.encoded
 
-    def residual(self, tensor: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def residual(self, tensor: int, x: torch.Tensor | None = None, *, out: torch.Tensor) -> torch.Tensor:
         """out = x - RHT^-1(X_i): what this step's own indices failed to carry of ``x`` (Algorithm 3's
         error), computed with this step's rotation after ``compress`` (for callers that keep error
-        feedback themselves, such as the DDP hook; the signs are not generated again)."""
+        feedback themselves, such as the DDP hook; the signs are not generated again). ``x`` defaults to
+        what ``begin`` rotated: the gradient plus the error it was given."""
         st = self._require(tensor)
         if st.encoded is None:
             raise RuntimeError(f"tensor {tensor}: compress() must come before residual()")
         own = self.codec.own_values(st.encoded, out=st.buffers.ws.rotated)
-        return torch.sub(x, st.buffers.rht.inverse(own, out=own), out=out)
+        return st.buffers.rht.inverse_into(own, out, minus=st.x if x is None else x)
 
     def finish(self, tensor: int, sums: torch.Tensor, count: int | torch.Tensor,
                out: torch.Tensor | None = None, lost: torch.Tensor | None = None) -> torch.Tensor:
@@ -352,13 +371,18 @@ class THCWorker:
         st = self._require(tensor)
         if st.encoded is None:
             raise RuntimeError(f"tensor {tensor}: compress() must come before finish()")
-        avg = self.codec.decode(sums, count, st.encoded.scale, st.x.numel(), st.key, st.buffers, lost=lost)
+        direct = (out is not None and out.dtype == torch.float32 and out.device == st.x.device
+                  and out.is_contiguous() and out.numel() == st.x.numel())  # decoded in place: no copy
+        avg = self.codec.decode(sums, count, st.encoded.scale, st.x.numel(), st.key, st.buffers, lost=lost,
+                                out=out.view(-1) if direct else None)
         if self.config.error_feedback:
             ws = st.buffers.ws
             own = self.codec.own_values(st.encoded, out=ws.rotated)
-            torch.sub(st.x, st.buffers.rht.inverse(own, out=own), out=st.error)
+            st.buffers.rht.inverse_into(own, st.error, minus=st.x)
             st.has_error = True
         st.key = None
+        if direct:
+            return out
         result = avg.reshape(st.shape).to(st.dtype)
         return result if out is None else out.copy_(result)
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 import math
 from typing import Literal
 
+import numpy as np
 import torch
 
-from worker_lib.thc.signs import SignKey, rademacher
+from worker_lib.thc import fused
+from worker_lib.thc.signs import SignKey, rademacher, sign_words_u32
 
 try:  # optional fast CPU engine
     import fht_cpu as _fht_cpu
@@ -88,7 +90,13 @@ def fwht(x: torch.Tensor, *, normalize: bool = True, backend: Backend = "auto",
 
 
 class RandomizedHadamard:
-    """RHT(x) = H D x / sqrt(D) for one (job, tensor, step): fixed length, fixed signs, exact inverse."""
+    """RHT(x) = H D x / sqrt(D) for one (job, tensor, step): fixed length, fixed signs, exact inverse.
+
+    On the CPU in float32 with fht-cpu, the signs stay as the key's 32-bit words and the sign flips,
+    padding, normalisation and (for ``inverse_into``) a subtraction run as compiled passes
+    (``worker_lib.thc.fused``) around fht-cpu's transform: the same float32 arithmetic as the torch
+    composition, bit for bit, in fewer passes over memory. Elsewhere the float signs are materialised.
+    """
 
     def __init__(self, d: int, key: SignKey, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, backend: Backend = "auto") -> None:
@@ -96,29 +104,66 @@ class RandomizedHadamard:
         self.padded = next_pow2(d)
         self.backend: Backend = backend
         self.key = key
-        self.signs = rademacher(key, self.padded, device=device, dtype=dtype)
+        self.device, self.dtype = torch.device(device), dtype
+        self._compiled = (self.device.type == "cpu" and dtype == torch.float32 and _fht_cpu is not None
+                          and backend != "torch")
+        self._words = sign_words_u32(key, (self.padded + 31) // 32) if self._compiled else None
+        self._signs = None if self._compiled else rademacher(key, self.padded, device=device, dtype=dtype)
+        self._signs_key: SignKey | None = None if self._compiled else key
+
+    @property
+    def signs(self) -> torch.Tensor:
+        """The D signs (+1/-1) of the current key as a tensor of the rotation's device and dtype."""
+        if self._signs is None or self._signs_key != self.key:
+            self._signs = rademacher(self.key, self.padded, device=self.device, dtype=self.dtype, out=self._signs)
+            self._signs_key = self.key
+        return self._signs
 
     def rekey(self, key: SignKey) -> None:
-        """Switch to another step's signs, reusing the sign buffer."""
+        """Switch to another step's signs (the float signs, where used, are rebuilt into their buffer)."""
         if key != self.key:
-            rademacher(key, self.padded, out=self.signs)
             self.key = key
+            if self._compiled:
+                self._words = sign_words_u32(key, (self.padded + 31) // 32)
+
+    def _fast(self, *tensors: torch.Tensor) -> bool:
+        return self._compiled and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                                      and not t.requires_grad for t in tensors)
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Transform a length-d vector into the padded length-D rotated vector (into ``out`` if given)."""
         if x.shape != (self.d,):
             raise ValueError(f"expected a vector of length {self.d}, got shape {tuple(x.shape)}")
         if out is None:
-            out = torch.empty(self.padded, dtype=self.signs.dtype, device=self.signs.device)
-        torch.mul(x, self.signs[: self.d], out=out[: self.d])
-        out[self.d:].zero_()
+            out = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+        if self._fast(x, out):
+            fused.signs_pad_into(x.numpy(), self._words, out.numpy())
+        else:
+            torch.mul(x, self.signs[: self.d], out=out[: self.d])
+            out[self.d:].zero_()
         return fwht(out, backend=self.backend, inplace=True)
 
     def inverse(self, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate a length-D vector back and return its first d coordinates (y is left unchanged)."""
         if y.shape != (self.padded,):
             raise ValueError(f"expected a vector of length {self.padded}, got shape {tuple(y.shape)}")
-        out = y.to(self.signs.dtype, copy=True) if out is None else out.copy_(y)
-        fwht(out, backend=self.backend, inplace=True)
-        out.mul_(self.signs)
-        return out[: self.d]
+        out = y.to(self.dtype, copy=True) if out is None else out.copy_(y)
+        return self.inverse_into(out, out[: self.d])
+
+    def inverse_into(self, y: torch.Tensor, dest: torch.Tensor, *, minus: torch.Tensor | None = None) -> torch.Tensor:
+        """dest = RHT^-1(y)[:d], or ``minus`` - RHT^-1(y)[:d]; returns dest. ``y`` (length D, of the
+        rotation's dtype) is transformed in place: its contents are lost. ``dest`` may be y's head."""
+        if y.shape != (self.padded,) or dest.shape != (self.d,):
+            raise ValueError(f"expected a vector of length {self.padded} into one of {self.d}, got shapes "
+                             f"{tuple(y.shape)} and {tuple(dest.shape)}")
+        if self._fast(y, dest, *(() if minus is None else (minus,))):
+            fwht(y, normalize=False, backend=self.backend, inplace=True)
+            c = np.float32(1.0 / math.sqrt(self.padded))
+            if minus is None:
+                fused.unscale_signs_into(y.numpy(), self._words, c, dest.numpy())
+            else:
+                fused.minus_unscale_signs_into(minus.numpy(), y.numpy(), self._words, c, dest.numpy())
+            return dest
+        fwht(y, backend=self.backend, inplace=True)
+        back = y.mul_(self.signs)[: self.d]
+        return dest.copy_(back) if minus is None else torch.sub(minus, back, out=dest)

@@ -75,8 +75,9 @@ def sign_words(key: SignKey, n_words: int, device: torch.device | str = "cpu") -
 
 
 
-def _sign_words_u32(key: SignKey, n_words: int) -> np.ndarray:
-    """``sign_words`` on the CPU in numpy uint32, whose products wrap modulo 2^32 natively (no limbs)."""
+def sign_words_u32(key: SignKey, n_words: int) -> np.ndarray:
+    """``sign_words`` on the CPU in numpy uint32, whose products wrap modulo 2^32 natively (no limbs): what
+    the compiled CPU passes of the rotation (``worker_lib.thc.fused``) read their signs from."""
     with np.errstate(over="ignore"):
         x = np.arange(n_words, dtype=np.uint32)
         for k in (key.k0, key.k1):
@@ -114,7 +115,7 @@ def rademacher(key: SignKey, d: int, device: torch.device | str = "cpu",
     if torch.device(device).type == "cpu" and dtype == torch.float32:
         # little-endian bytes of each word, least significant bit first: bit i of word c; each byte
         # becomes its 8 signs with one gather
-        words = _sign_words_u32(key, (d + 31) // 32).astype("<u4", copy=False)
+        words = sign_words_u32(key, (d + 31) // 32).astype("<u4", copy=False)
         signs = _BYTE_SIGNS[words.view(np.uint8)].view(np.float32)[:d]
         if out is None:
             return torch.from_numpy(signs)
