@@ -37,19 +37,37 @@ def _uniform(key: np.uint64, i: int) -> np.float32:
     return np.float32(z >> _S40) * _INV24
 
 
+#: Coordinates per block of ``quantize_into``'s two loops (12 KiB of block buffers: they stay in L1).
+BLOCK = 1024
+
+
 @njit(cache=True, nogil=True)
 def quantize_into(x: np.ndarray, scale: np.float32, shift: np.float32, granularity: int, slope: np.ndarray,
                   offset: np.ndarray, top: int, key: np.uint64, out: np.ndarray) -> None:
     """out[i] = the table index of x[i]: y = clamp(x[i] * scale + shift, 0, g) on the grid, its cell
     c = min(floor(y), g - 1), then min(floor(y * slope[c] + offset[c] + u_i), top) (never negative:
-    y * slope[c] + offset[c] >= c's segment index >= 0). min/max rather than branches: 1.8 ms for 2^20
-    coordinates against 2.5 ms."""
+    y * slope[c] + offset[c] >= c's segment index >= 0). min/max rather than branches.
+
+    Two loops per block of ``BLOCK`` coordinates: the grid, the cells and the uniforms first, which LLVM
+    vectorises, then the table's slope and offset by cell and the rounding. In one loop the lookups by
+    cell kept the whole pass scalar (LLVM does not emit gathers for this CPU): 15.2 against 11.7 ms for
+    2^22 coordinates here, the same indices."""
     g = np.float32(granularity)
     zero = np.float32(0.0)
-    for i in range(x.size):
-        y = min(max(x[i] * scale + shift, zero), g)
-        c = min(np.intp(y), granularity - 1)
-        out[i] = min(np.intp(y * slope[c] + offset[c] + _uniform(key, i)), top)
+    last, cap = np.int32(granularity - 1), np.int32(top)
+    ys = np.empty(BLOCK, np.float32)
+    cells = np.empty(BLOCK, np.int32)
+    us = np.empty(BLOCK, np.float32)
+    for s in range(0, x.size, BLOCK):
+        m = min(BLOCK, x.size - s)
+        for j in range(m):
+            y = min(max(x[s + j] * scale + shift, zero), g)
+            ys[j] = y
+            cells[j] = min(np.int32(y), last)
+            us[j] = _uniform(key, s + j)
+        for j in range(m):
+            c = cells[j]
+            out[s + j] = min(np.int32(ys[j] * slope[c] + offset[c] + us[j]), cap)
 
 
 @njit(cache=True)
