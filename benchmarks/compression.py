@@ -12,6 +12,7 @@ gradient is held in that type, encode includes its conversion to float32 and dec
     python benchmarks/compression.py [--dim 1048576] [--repeats 30] [--device cpu|cuda] [--dtype float32]
                                      [--threads N] [--json]
     python benchmarks/compression.py --contention   # 1 and 2 threads, quiet and beside a busy process
+    python benchmarks/compression.py --hook --dim 4191951   # a worker's codec CPU per DDP step, by phase
 
 ``--contention`` runs the measurement in a fresh process for each of 1 and 2 torch threads, alone and
 next to one CPU-bound neighbour process (a spinning Python loop), and prints the four break-even rates
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 from worker_lib.cli.args import FLOAT_DTYPES, int_in
-from worker_lib.thc import THCCodec, THCConfig
+from worker_lib.thc import THCCodec, THCConfig, THCWorker
 from worker_lib.thc.hadamard import have_fht_cpu
 from worker_lib.thc.quantize import unpack_indices
 from worker_lib.thc.signs import SignKey
@@ -96,6 +97,44 @@ def measure(config: THCConfig, dim: int, repeats: int, device: torch.device,
     }
 
 
+def measure_hook(config: THCConfig, dim: int, repeats: int, device: torch.device) -> dict:
+    """Median milliseconds of one worker's CPU work per step as the DDP hook arranges it (caller-kept error
+    feedback; ``worker_lib.allreduce``): ``begin`` (gradient + error, norm, rotation), ``compress``, the new
+    error x - RHT^-1(X_i) (which the hook computes beside the index exchange), and ``finish`` (decoding the
+    int32 sums of two workers into the gradient's buffer). The codec's CPU cost of a DDP step, apart from
+    the network."""
+    worker = THCWorker(THCConfig(bits=config.bits, granularity=config.granularity, backend=config.backend,
+                                 error_feedback=False), job=1, device=device, seed=1)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    grad, error = torch.randn(dim, generator=gen).to(device), torch.zeros(dim, device=device)
+    out = torch.empty(dim, device=device)
+    phases: dict[str, list[float]] = {"begin": [], "compress": [], "error": [], "finish": []}
+    for step in range(repeats + 3):
+        _sync(device)
+        t0 = time.perf_counter()
+        norm = worker.begin(grad, 0, step, error=error)
+        _sync(device)
+        t1 = time.perf_counter()
+        enc = worker.compress(0, norm)
+        _sync(device)
+        t2 = time.perf_counter()
+        worker.residual(0, out=error)
+        _sync(device)
+        t3 = time.perf_counter()
+        sums = enc.indices.to(torch.int32) * 2  # two workers that sent the same indices (not timed)
+        _sync(device)
+        t4 = time.perf_counter()
+        worker.finish(0, sums, 2, out=out)
+        _sync(device)
+        t5 = time.perf_counter()
+        if step >= 3:
+            for name, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t5 - t4), strict=True):
+                phases[name].append(seconds)
+    ms = {f"{name}_ms": statistics.median(times) * 1e3 for name, times in phases.items()}
+    return {"device": str(device), "dim": dim, "threads": torch.get_num_threads(), "repeats": repeats, **ms,
+            "total_ms": sum(ms.values())}
+
+
 def contention(args: argparse.Namespace) -> list[dict]:
     """The measurement at 1 and 2 threads, quiet and beside one busy process, each in a fresh process."""
     rows = []
@@ -152,9 +191,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="torch intra-op threads, 1..1024 (default: torch's, the core count)")
     parser.add_argument("--contention", action="store_true",
                         help="1 and 2 threads, alone and beside a CPU-bound neighbour, side by side (on the CPU)")
+    parser.add_argument("--hook", action="store_true",
+                        help="one worker's codec work per step as the DDP hook does it (error feedback kept by "
+                             "the hook, averages decoded into the bucket), phase by phase")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     device = device_of(parser, args.device)
+    if args.hook and (args.contention or args.dtype != "float32"):
+        parser.error("--hook measures float32 gradients on its own: leave out --contention and --dtype")
     if args.contention and device.type != "cpu":
         parser.error("--contention measures on the CPU: leave out --device")
     if args.backend == "fht-cpu" and (device.type != "cpu" or not have_fht_cpu()):
@@ -175,6 +219,16 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows:
             print(f"  {'busy' if r['busy_neighbour'] else 'none':>10} {r['threads']:>7} {r['encode_ms']:9.2f} "
                   f"{r['decode_ms']:9.2f} {r['break_even_gbit_s']:17.2f}")
+        return
+    if args.hook:
+        res = measure_hook(config, args.dim, args.repeats, device)
+        if args.json:
+            print(json.dumps(res))
+            return
+        print(f"THC b={args.bits} g={args.granularity} d={args.dim} float32 on {res['device']}, the DDP hook's "
+              f"arrangement ({res['threads']} threads), median of {res['repeats']}, ms per step:")
+        print("  " + "  ".join(f"{name} {res[f'{name}_ms']:.2f}" for name in ("begin", "compress", "error", "finish"))
+              + f"  total {res['total_ms']:.2f}")
         return
     dtype = getattr(torch, args.dtype)
     res = measure(config, args.dim, args.repeats, device, dtype)

@@ -41,6 +41,8 @@ CASES = [
     ("compression", ["--device", "meta"], "--device: expected cpu or cuda[:N], got 'meta'"),
     ("compression", ["--threads", "0"], "--threads: must be in 1..1024, got 0"),
     ("compression", ["--backend", "gpu"], "--backend: invalid choice"),
+    ("compression", ["--hook", "--contention"], "--hook measures float32 gradients on its own"),
+    ("compression", ["--hook", "--dtype", "bfloat16"], "--hook measures float32 gradients on its own"),
     # benchmarks.aggregator
     ("aggregator", ["--seconds", "-1"], "--seconds: must be in 0.1..3600, got -1"),
     ("aggregator", ["--elems", "-1"], "--elems: must be in 8..65528, got -1"),
@@ -170,3 +172,17 @@ def test_compression_counts_the_bits_of_the_gradients_type(dtype: str, dense_bit
     expected = (dense_bits - 4) * 4096 / ((r["encode_ms"] + r["decode_ms"]) / 1e3) / 1e9
     assert r["break_even_gbit_s"] == pytest.approx(expected)
     assert 0 < r["nmse_single_worker"] < 0.05
+
+
+def test_compression_hook_times_every_phase() -> None:
+    """--hook times begin, compress, the new error and finish of a worker with caller-kept error feedback,
+    each phase on its own, and the total is their sum."""
+    import torch
+
+    from benchmarks.compression import measure_hook
+    from worker_lib.thc import THCConfig
+
+    r = measure_hook(THCConfig(bits=4, granularity=30), 5000, 2, torch.device("cpu"))
+    phases = [r[f"{name}_ms"] for name in ("begin", "compress", "error", "finish")]
+    assert all(p > 0 for p in phases) and r["total_ms"] == pytest.approx(sum(phases))
+    assert r["dim"] == 5000 and r["repeats"] == 2
