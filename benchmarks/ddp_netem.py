@@ -114,7 +114,10 @@ def measure(net: Topology, run: Run, job: int, args: argparse.Namespace, agg_pid
             "early_retransmissions": hook.get("transport_early_retransmissions", 0),
             "slot_bound_s": hook.get("transport_slot_bound_s", 0.0) / steps,
             "window_bound_s": hook.get("transport_window_bound_s", 0.0) / steps,
-            "tail_s": hook.get("transport_tail_s", 0.0) / steps}
+            "tail_s": hook.get("transport_tail_s", 0.0) / steps,
+            "worker_cpu_s": hook.get("process_cpu_s", 0.0),
+            "datagrams_per_batch": hook.get("transport_datagrams_received", 0) / max(1, hook.get(
+                "transport_receive_batches", 0))}
 
 
 def down_bytes(sent: float, mode: str, args: argparse.Namespace) -> float:
@@ -171,7 +174,8 @@ def report(rows: list[dict]) -> None:
     print(f"\nDDP on an emulated network: {rows[0]['workers']} workers, {rows[0]['parameters']:,} parameters, "
           "each node and the aggregator in its own namespace, links shaped by tc (both directions)")
     print(f"{'rate':>8} {'loss':>5} {'mode':<12} {'step ms':>8} {'x gloo':>7} {'samples/s':>9} | {'fwd':>6} {'bwd':>7} "
-          f"{'encode':>7} {'network':>8} {'decode':>7} {'agg cpu':>8} {'link up':>8} {'link dn':>8} {'MB up':>6} "
+          f"{'encode':>7} {'network':>8} {'decode':>7} {'agg cpu':>8} {'wrk cpu':>8} {'link up':>8} {'link dn':>8} "
+          f"{'MB up':>6} "
           f"{'retx':>5} same")
     for r in rows:
         ratio = gloo.get(r["rate_mbit"])
@@ -179,12 +183,14 @@ def report(rows: list[dict]) -> None:
               f"{(r['step_s'] / ratio if ratio else float('nan')):7.2f} {r['samples_per_s']:9.1f} | "
               f"{r['forward_s'] * 1e3:6.1f} {r['backward_s'] * 1e3:7.1f} {r['hook_encode_s'] * 1e3:7.1f} "
               f"{r['hook_network_s'] * 1e3:8.1f} {r['hook_decode_s'] * 1e3:7.1f} {r['aggregator_cpu_s'] * 1e3:8.1f} "
-              f"{r['link_up_s'] * 1e3:8.1f} {r['link_down_s'] * 1e3:8.1f} {r['payload_bytes_up'] / 1e6:6.2f} "
+              f"{r['worker_cpu_s'] * 1e3:8.1f} {r['link_up_s'] * 1e3:8.1f} {r['link_down_s'] * 1e3:8.1f} "
+              f"{r['payload_bytes_up'] / 1e6:6.2f} "
               f"{r['retransmissions']:>5} "
               f"{r['identical']}")
     print("(ms per step; 'x gloo' = step time / gloo's at the same rate; fwd/bwd from the training loop, backward "
           "includes waiting for the exchange; encode/network/decode: the hook's thread; agg cpu: aggregator CPU "
-          "time per step; link up: one worker's DATA payload at the link rate; link dn: the results on the "
+          "time per step; wrk cpu: rank 0's process CPU time per step (all its threads); link up: one worker's "
+          "DATA payload at the link rate; link dn: the results on the "
           "aggregator's link at that rate (n copies by unicast, one by multicast): the step's wire floor is the "
           "larger of the two. gloo's traffic is not counted.)")
     loss_report(rows)

@@ -277,9 +277,12 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_world: int, devi
         times = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0, "step_s": 0.0}
         timed = 0
         base: dict[str, float] = {}
+        cpu_at_warmup = time.process_time()
         for step in range(args.steps):
-            if step == args.warmup and state is not None:
-                base = state.stats.as_dict()  # the hook's counters before the timed steps
+            if step == args.warmup:
+                cpu_at_warmup = time.process_time()  # this process's CPU (all its threads) from here
+                if state is not None:
+                    base = state.stats.as_dict()  # the hook's counters before the timed steps
             if data is None:
                 x, y = batch(args, w, rank, step)
             else:
@@ -318,11 +321,11 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_world: int, devi
         digests = [None] * world
         dist.all_gather_object(digests, params_digest(model))
         hook_stats: list[dict | None] = [None] * world
-        mine: dict = {}
+        mine: dict = {"process_cpu_s": (time.process_time() - cpu_at_warmup) / max(timed, 1)}
         if state is not None:
             now = state.stats.as_dict()
-            mine = {**now, **{f"transport_{k}": v for k, v in state.transport.stats.as_dict().items()},
-                    "per_timed_step": {k: (v - base.get(k, 0)) / max(timed, 1) for k, v in now.items()}}
+            mine |= {**now, **{f"transport_{k}": v for k, v in state.transport.stats.as_dict().items()},
+                     "per_timed_step": {k: (v - base.get(k, 0)) / max(timed, 1) for k, v in now.items()}}
         dist.all_gather_object(hook_stats, mine)
         if rank == 0:
             mean_losses = [sum(ls[s] for ls in all_losses) / world for s in range(args.steps)]  # type: ignore[index]

@@ -33,6 +33,18 @@ def test_pack_matches_bit_string_and_round_trips(case: tuple[int, list[int]]) ->
     assert unpack_bits(packed, width, len(values)).tolist() == values
 
 
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_packets_of_whole_bytes_pack_row_by_row(width: int) -> None:
+    """A (packets, K) array of 1-, 2- or 4-bit fields with K a multiple of 8 (the compiled pass over the
+    flat array) packs each row as the bit string of that row alone."""
+    rng = np.random.default_rng(width)
+    rows = rng.integers(0, 1 << width, (5, 48), dtype=np.uint8)
+    packed = pack_bits(rows, width)
+    assert packed.shape == (5, 48 * width // 8)
+    for row, got in zip(rows, packed, strict=True):
+        assert got.tobytes() == reference_pack(row.tolist(), width)
+
+
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 7, 8])
 def test_pack_agrees_with_thc_index_packing(bits: int) -> None:
     z = torch.randint(0, 1 << bits, (64,), dtype=torch.uint8)

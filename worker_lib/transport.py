@@ -164,6 +164,9 @@ class TransportStats:
     #: seconds from an exchange's last new use sent to its end: draining the last answers and
     #: recovering the last losses, with nothing new to send meanwhile
     tail_s: float = 0.0
+    #: receive system calls that returned datagrams (datagrams per batch = datagrams received / this)
+    receive_batches: int = 0
+    datagrams_received: int = 0
     lost: list[tuple[int, int]] = field(default_factory=list)  #: (tensor, chunk) given up
 
     def as_dict(self) -> dict[str, float]:
@@ -625,6 +628,9 @@ class Transport:
         first; accepted datagrams go to the pcap, if any."""
         bs = self._rx[sock.fileno()]
         n = bs.recv()
+        if n:
+            self.stats.receive_batches += 1
+            self.stats.datagrams_received += n
         rows, lens, srcs = bs.rx[:n], bs.rx_len[:n], bs.rx_addr[:n]
         if n and self.cfg.drop_down:
             keep = self._rng.random(n) >= self.cfg.drop_down
