@@ -99,7 +99,7 @@ def measure(net: Topology, run: Run, job: int, args: argparse.Namespace, agg_pid
     hook = s["hook"][0]
     steps = s["steps"]
     per = hook.get("per_timed_step", {})  # the hook's counters over the timed steps, per step
-    per = {k: per.get(k, 0.0) for k in ("encode_s", "network_s", "decode_s", "bytes_sent")}
+    per = {k: per.get(k, 0.0) for k in ("encode_s", "network_s", "decode_s", "cpu_s", "bytes_sent")}
     sent = per["bytes_sent"]  # payload bytes one worker sends per step
     down = down_bytes(sent, run.mode, args)  # payload bytes the aggregator's link carries per step
     return {"rate_mbit": run.rate_mbit, "mode": run.mode, "loss": run.loss, "workers": s["world_size"],
@@ -115,7 +115,7 @@ def measure(net: Topology, run: Run, job: int, args: argparse.Namespace, agg_pid
             "slot_bound_s": hook.get("transport_slot_bound_s", 0.0) / steps,
             "window_bound_s": hook.get("transport_window_bound_s", 0.0) / steps,
             "tail_s": hook.get("transport_tail_s", 0.0) / steps,
-            "worker_cpu_s": hook.get("process_cpu_s", 0.0),
+            "worker_cpu_s": hook.get("process_cpu_s", 0.0), "hook_cpu_s": per["cpu_s"],
             "datagrams_per_batch": hook.get("transport_datagrams_received", 0) / max(1, hook.get(
                 "transport_receive_batches", 0))}
 

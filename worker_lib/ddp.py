@@ -129,6 +129,7 @@ class HookStats:
     encode_s: float = 0.0  #: error feedback, norm, RHT, quantization (or fixed-point scaling)
     network_s: float = 0.0  #: norm stage and data exchange with the aggregator (incl. waiting for peers)
     decode_s: float = 0.0  #: the rest: decoding the average, error bookkeeping, copy back into the bucket
+    cpu_s: float = 0.0  #: CPU time of the exchange thread over all of the above (the rest of the time it waits)
     lost_chunks: int = 0
     bytes_sent: int = 0  #: payload bytes of DATA packets (headers excluded)
 
@@ -259,7 +260,7 @@ class THCHookState:
     def _average(self, buffer: torch.Tensor, index: int, params: tuple[int, ...], sizes: list[int], step: int,
                  last: bool) -> None:
         cfg, st = self.config, self.stats
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         busy = st.encode_s + st.network_s
         flat = buffer.detach().reshape(-1)
         if cfg.job.kind == "uncompressed":
@@ -269,6 +270,7 @@ class THCHookState:
         if avg.data_ptr() != buffer.data_ptr():  # THC decodes float32 buckets in place
             buffer.copy_(avg.reshape(buffer.shape).to(buffer.dtype))
         st.decode_s += time.perf_counter() - t0 - (st.encode_s + st.network_s - busy)  # the rest of the bucket's time
+        st.cpu_s += time.thread_time() - cpu0
         st.buckets += 1
         st.coordinates += flat.numel()
         if last:
