@@ -116,7 +116,7 @@ class _Beside:
 
     def __init__(self, work: Callable[[], object] | None) -> None:
         self._work, self._error = work, None
-        self._thread = None if work is None else threading.Thread(target=self._run, name="thc-residual", daemon=True)
+        self._thread = None if work is None else threading.Thread(target=self._run, name="thc-beside", daemon=True)
 
     def _run(self) -> None:
         try:
