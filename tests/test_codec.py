@@ -287,18 +287,3 @@ def test_allreduce_decodes_into_outs_and_computes_the_error_beside_the_exchange(
         assert torch.allclose(e.double(), (g.double() + 0.01) - rht.inverse(x_i), atol=1e-5)
     with pytest.raises(RuntimeError, match="residual failed"):
         _lossy_allreduce([torch.zeros(3000) for _ in range(3)], residual_fails=True)
-
-
-def test_a_deferred_rotation_encodes_the_same():
-    """``begin(rotate=False)`` returns the same norm before rotating; the rotation then runs in
-    ``rotate`` (a second call changes nothing) or inside ``compress``, with the same indices as
-    ``begin``'s."""
-    g = torch.randn(1500, generator=torch.Generator().manual_seed(2))
-    eager, deferred, implicit = (THCWorker(THCConfig(), job=3, seed=1) for _ in range(3))
-    norm = eager.begin(g, 0, 5)
-    assert deferred.begin(g, 0, 5, rotate=False) == norm == implicit.begin(g, 0, 5, rotate=False)
-    deferred.rotate(0)
-    deferred.rotate(0)
-    want = eager.compress(0, norm).indices
-    assert torch.equal(deferred.compress(0, norm).indices, want)
-    assert torch.equal(implicit.compress(0, norm).indices, want)

@@ -63,8 +63,8 @@ class AllreduceResult:
     lost: np.ndarray  #: (chunks,) bool, chunks taken as zero
     indices: np.ndarray  #: this worker's indices over the padded transformed length (uint8)
     encode_s: float = 0.0  #: seconds in error feedback, rotation and quantization (the group's)
-    network_s: float = 0.0  #: seconds in the two exchanges, waiting for peers included, and what runs
-    #: beside them: the rotation during the norm stage, the new caller-kept error during the index exchange
+    network_s: float = 0.0  #: seconds in the two exchanges, waiting for peers included (and, with
+    #: caller-kept error feedback, the new error's computation, which runs beside the index exchange)
 
 
 def thc_allreduce(workers: Sequence[THCWorker], exchange: Exchange, grads: Sequence[torch.Tensor], *,
@@ -80,11 +80,9 @@ def thc_allreduce(workers: Sequence[THCWorker], exchange: Exchange, grads: Seque
     """
     t0 = time.perf_counter()
     errs = [None] * len(workers) if errors is None else errors
-    norms = np.array([w.begin(g, tensor, step, error=e, rotate=False)
-                      for w, g, e in zip(workers, grads, errs, strict=True)])
+    norms = np.array([w.begin(g, tensor, step, error=e) for w, g, e in zip(workers, grads, errs, strict=True)])
     t1 = time.perf_counter()
-    with _Beside(lambda: [w.rotate(tensor) for w in workers]):  # while the norms travel
-        max_norms = exchange.exchange_norms(norms, tensor=tensor)
+    max_norms = exchange.exchange_norms(norms, tensor=tensor)
     t2 = time.perf_counter()
     # the job's max norm: the same scale on every worker; np.stack copies (the codec reuses its buffer)
     stacked = np.stack([np.asarray(w.compress(tensor, float(m)).indices.cpu().numpy(), np.uint8)
@@ -107,12 +105,10 @@ def thc_allreduce(workers: Sequence[THCWorker], exchange: Exchange, grads: Seque
 
 class _Beside:
     """Runs ``work`` on a helper thread for the duration of a ``with`` block and re-raises its exception
-    at the end. Two pieces of the codec need nothing from the exchange they run beside: the rotation
-    (the norm is the rotated vector's too) and the new error feedback, x - RHT^-1(X_i) (Algorithm 3:
-    the step's indices, not the answers). Their compiled passes and fht-cpu release the GIL, so they
-    run while the exchange waits on the network (8 and 10 ms of a 4.19 M-coordinate step on this
-    machine). The exchanges do not touch the codec's buffers, and each next stage starts after the
-    block."""
+    at the end. The new error feedback, x - RHT^-1(X_i) (Algorithm 3), needs the indices but not the
+    answers, and its compiled passes and fht-cpu release the GIL: computed while the exchange waits on
+    the network, it leaves the critical path (10 ms of a 4.19 M-coordinate step on this machine). The
+    exchange does not touch the codec's buffers, and decoding starts only after the block."""
 
     def __init__(self, work: Callable[[], object] | None) -> None:
         self._work, self._error = work, None

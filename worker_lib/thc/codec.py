@@ -276,7 +276,6 @@ class _TensorState:
     dtype: torch.dtype = torch.float32
     encoded: Encoded | None = None
     has_error: bool = False
-    rotated: bool = False  #: this step's rotation of x is in the buffers
 
 
 @dataclass
@@ -310,14 +309,11 @@ class THCWorker:
         st = self._tensors.get(tensor)
         return st.error if st is not None and st.has_error else None
 
-    def begin(self, grad: torch.Tensor, tensor: int, step: int, *, error: torch.Tensor | None = None,
-              rotate: bool = True) -> float:
+    def begin(self, grad: torch.Tensor, tensor: int, step: int, *, error: torch.Tensor | None = None) -> float:
         """Add error feedback, rotate, and return the norm to publish in the preliminary stage.
 
         ``error``: error feedback kept by the caller (the DDP hook keeps it per parameter), added to the
         gradient here instead of this worker's own; ``residual`` then computes the next one.
-        ``rotate=False`` leaves the rotation to ``rotate`` (or ``compress``), so that a caller can run it
-        while the norm travels: the norm does not depend on it, the rotation being orthonormal.
         """
         flat, norm = check_vector(grad)
         key = SignKey.derive(self.job, tensor, step)
@@ -338,17 +334,9 @@ class THCWorker:
                 st.x.add_(st.error)
         if error is not None or own:
             norm = check_vector(st.x, "the gradient plus its error feedback")[1]
-        st.key, st.shape, st.dtype, st.encoded, st.norm, st.rotated = key, grad.shape, grad.dtype, None, norm, False
-        if rotate:
-            self.rotate(tensor)
+        st.key, st.shape, st.dtype, st.encoded, st.norm = key, grad.shape, grad.dtype, None, norm
+        self.codec.rotate(st.x, key, st.buffers)
         return st.norm
-
-    def rotate(self, tensor: int) -> None:
-        """This step's RHT of the gradient (plus error feedback) into the tensor's buffers, once."""
-        st = self._require(tensor)
-        if not st.rotated:
-            self.codec.rotate(st.x, st.key, st.buffers)
-            st.rotated = True
 
     def compress(self, tensor: int, max_norm: float) -> Encoded:
         """Quantize with the job's max norm.
@@ -358,7 +346,6 @@ class THCWorker:
         """
         st = self._require(tensor)
         check_norm(max_norm, "max_norm")
-        self.rotate(tensor)
         st.encoded = self.codec.quantize_rotated(st.buffers.ws.rotated, max_norm, st.x.numel(), st.buffers)
         return st.encoded
 
