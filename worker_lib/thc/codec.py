@@ -371,7 +371,7 @@ class THCWorker:
         st = self._require(tensor)
         if st.encoded is None:
             raise RuntimeError(f"tensor {tensor}: compress() must come before finish()")
-        direct = (out is not None and out.dtype == torch.float32 and out.device == st.x.device
+        direct = (out is not None and out.dtype == st.dtype == torch.float32 and out.device == st.x.device
                   and out.is_contiguous() and out.numel() == st.x.numel())  # decoded in place: no copy
         avg = self.codec.decode(sums, count, st.encoded.scale, st.x.numel(), st.key, st.buffers, lost=lost,
                                 out=out.view(-1) if direct else None)
