@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from worker_lib.wire.compiled_fields import get16, get32, put16, put32
 from worker_lib.wire.layout import HEADER_BYTES, VERSION, PacketType, field_offsets
 from worker_lib.wire.protocol import Counter
 
@@ -39,30 +40,6 @@ _SHORT, _BAD_VERSION, _BAD_TYPE = int(Counter.SHORT), int(Counter.BAD_VERSION), 
 _UNKNOWN_JOB, _BAD_KEY, _BAD_TABLE = int(Counter.UNKNOWN_JOB), int(Counter.BAD_KEY), int(Counter.BAD_TABLE)
 _BAD_WORKER, _BAD_SLOT, _WRONG_SHARD = int(Counter.BAD_WORKER), int(Counter.BAD_SLOT), int(Counter.WRONG_SHARD)
 _BAD_FORMAT, _BAD_NORM = int(Counter.BAD_FORMAT), int(Counter.BAD_NORM)
-
-
-@njit(cache=True, inline="always")
-def _put16(row: np.ndarray, at: int, v: int) -> None:
-    row[at] = (v >> 8) & 0xFF
-    row[at + 1] = v & 0xFF
-
-
-@njit(cache=True, inline="always")
-def _put32(row: np.ndarray, at: int, v: int) -> None:
-    row[at] = (v >> 24) & 0xFF
-    row[at + 1] = (v >> 16) & 0xFF
-    row[at + 2] = (v >> 8) & 0xFF
-    row[at + 3] = v & 0xFF
-
-
-@njit(cache=True, inline="always")
-def _get16(row: np.ndarray, at: int) -> int:
-    return (np.int64(row[at]) << 8) | np.int64(row[at + 1])
-
-
-@njit(cache=True, inline="always")
-def _get32(row: np.ndarray, at: int) -> int:
-    return (_get16(row, at) << 16) | _get16(row, at + 2)
 
 
 @njit(cache=True)
@@ -87,9 +64,9 @@ def validate_rows(buf: np.ndarray, lens: np.ndarray, n: int, params: np.ndarray,
             continue
         row = buf[i]
         t = np.int64(row[_O_TYPE])
-        j = _get16(row, _O_JOB)
+        j = get16(row, _O_JOB)
         w = np.int64(row[_O_WORKER])
-        s = _get16(row, _O_SLOT)
+        s = get16(row, _O_SLOT)
         job[i], worker[i] = j, w
         is_norm = t == _NORM
         if row[_O_VER] != _VERSION:
@@ -98,9 +75,9 @@ def validate_rows(buf: np.ndarray, lens: np.ndarray, n: int, params: np.ndarray,
             code = _BAD_TYPE
         elif params[0, j] == 0:
             code = _UNKNOWN_JOB
-        elif _get32(row, _O_KEY) != params[1, j]:
+        elif get32(row, _O_KEY) != params[1, j]:
             code = _BAD_KEY
-        elif _get16(row, _O_TABLE) != params[2, j]:
+        elif get16(row, _O_TABLE) != params[2, j]:
             code = _BAD_TABLE
         elif w >= params[3, j]:
             code = _BAD_WORKER
@@ -108,14 +85,14 @@ def validate_rows(buf: np.ndarray, lens: np.ndarray, n: int, params: np.ndarray,
             code = _BAD_SLOT
         elif s % shards != shard:
             code = _WRONG_SHARD
-        elif (_get16(row, _O_ELEMS) != (1 if is_norm else params[5, j])
+        elif (get16(row, _O_ELEMS) != (1 if is_norm else params[5, j])
               or np.int64(row[_O_WIDTH]) != (32 if is_norm else params[6, j])
               or length != _H + (4 if is_norm else params[7, j])):
             code = _BAD_FORMAT
         else:
             code = 0
             if is_norm:
-                bits = _get32(row, _H)
+                bits = get32(row, _H)
                 if bits >> 31 != 0 or ((bits >> 23) & 0xFF) == 0xFF:
                     code = _BAD_NORM
                 norm_bits[i] = bits
@@ -124,7 +101,7 @@ def validate_rows(buf: np.ndarray, lens: np.ndarray, n: int, params: np.ndarray,
         if code:
             counters[code] += 1
             continue
-        typ[i], slot[i], rnd[i] = t, s, _get16(row, _O_ROUND)
+        typ[i], slot[i], rnd[i] = t, s, get16(row, _O_ROUND)
         if g and j != job[good[0]]:
             one_job = False
         good[g] = i
@@ -184,11 +161,11 @@ def _emit(buf: np.ndarray, i: int, out_buf: np.ndarray, out_len: np.ndarray, out
         row[k] = buf[i, k]
     row[1] = typ
     row[11] = contributors
-    _put16(row, 14, rnd)
-    _put16(row, 24, elems)
+    put16(row, 14, rnd)
+    put16(row, 24, elems)
     row[26] = width
     row[27] = 0
-    _put32(row, 28, bitmap)
+    put32(row, 28, bitmap)
     out_len[m] = _H + plen
     out_src[m] = i
     out_fanout[m] = fanout
@@ -205,7 +182,7 @@ def _emit_result(buf: np.ndarray, i: int, s: int, b: int, out_buf: np.ndarray, o
     if kind[idx] == _NORM:
         _emit(buf, i, out_buf, out_len, out_src, out_fanout, out_job, m, job, fanout, _NORM_RESULT, count[idx],
               bank_round[idx], 1, 32, bitmap[idx], 4)
-        _put32(row, _H, norm[idx])
+        put32(row, _H, norm[idx])
         return
     _emit(buf, i, out_buf, out_len, out_src, out_fanout, out_job, m, job, fanout, _RESULT, count[idx],
           bank_round[idx], elems, width, bitmap[idx], elems * width // 8)
@@ -215,10 +192,10 @@ def _emit_result(buf: np.ndarray, i: int, s: int, b: int, out_buf: np.ndarray, o
             row[_H + e] = bank[e] & 0xFF
     elif width == 16:
         for e in range(elems):
-            _put16(row, _H + 2 * e, bank[e] & 0xFFFF)
+            put16(row, _H + 2 * e, bank[e] & 0xFFFF)
     else:
         for e in range(elems):
-            _put32(row, _H + 4 * e, np.int64(bank[e]) & 0xFFFFFFFF)
+            put32(row, _H + 4 * e, np.int64(bank[e]) & 0xFFFFFFFF)
 
 
 @njit(cache=True)

@@ -224,7 +224,7 @@ class Pacer:
 
     def sample_many(self, rtts: Iterable[float] | np.ndarray) -> None:
         """Fold in the round trips of uses answered without retransmission, in the order answered."""
-        rtts = [float(r) for r in rtts]
+        rtts = rtts.tolist() if isinstance(rtts, np.ndarray) else [float(r) for r in rtts]
         if not rtts:
             return
         self._samples.extend(rtts)

@@ -54,6 +54,7 @@ import numpy as np
 from worker_lib.batch_io import BatchSocket, sockaddr_to_tuple
 from worker_lib.job import JobConfig
 from worker_lib.pacing import Pacer, extend_loss_runs
+from worker_lib.result_intake import has_notice, take_results
 from worker_lib.udp_offload import GSO_BYTES, GSO_SEGMENTS, SOL_UDP, UDP_SEGMENT, gso_available
 from worker_lib.wire.bits import pack_bits
 from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, PacketType
@@ -62,6 +63,10 @@ from worker_lib.wire.protocol import Header, fragment_count, next_round, serial_
 from worker_lib.wire.serializer import build_batch, float_bits, header_view
 
 log = logging.getLogger(__name__)
+
+#: A compiled intake of one received batch: (rows, lengths, use_of_slot, done, finished out) -> (answers,
+#: pending datagrams, unexpected datagrams); see ``Transport._exchange`` and ``worker_lib.result_intake``.
+Intake = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], tuple[int, int, int]]
 
 RX_BATCH = 64  #: datagrams read per recvmmsg
 
@@ -402,9 +407,16 @@ class Transport:
             bitmap[use] = hv["bitmap"][ok]
             return np.where(ok, 1, -1).astype(np.int8)
 
+        def intake(rows: np.ndarray, lens: np.ndarray, use_of_slot: np.ndarray, done: np.ndarray,
+                   finished: np.ndarray) -> tuple[int, int, int]:
+            return take_results(rows, lens, p.job, p.key, use_of_slot, done, rounds, int(want_type), k,
+                                rdt.itemsize * 8, signed, sums, contrib, bitmap, finished)
+
+        # the compiled intake covers DATA answers of one-tier jobs (whose contributor field counts workers)
+        fast = None if is_norm or p.leaves is not None else intake
         lost = self._exchange(slots, rounds, rows, accept, lambda _i: (0,), tensor=tensor,
                               policy=policy or cfg.loss_policy, what=f"job {p.job}, this key and table",
-                              paced=not is_norm, block=pkts)
+                              paced=not is_norm, block=pkts, intake=fast)
         return UseResults(sums, contrib, bitmap, lost)
 
     # -- the engine --------------------------------------------------------------------------------
@@ -424,7 +436,7 @@ class Transport:
                   accept: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray],
                   resend: Callable[[int], Iterable[int]], *,
                   tensor: int, policy: LossPolicy, what: str, paced: bool = True,
-                  block: np.ndarray | None = None) -> np.ndarray:
+                  block: np.ndarray | None = None, intake: Intake | None = None) -> np.ndarray:
         """The one retransmission engine: run uses until each is answered or lost; return which were lost.
 
         Use i (slot ``slots[i]``, round ``rounds[i]``) sends the datagrams ``packets[i]``; at most the
@@ -439,6 +451,8 @@ class Transport:
         nor expiries nor answers: a barrier's answer waits for the last worker to reach it (process start,
         compute skew), not for the path. ``block``: the uses' datagrams as the rows of one array (one
         datagram per use, ``packets[i] == [block[i]]``), which lets first sends go out as GSO runs.
+        ``intake``: the same as ``accept`` and the matching before it in one compiled pass
+        (``worker_lib.result_intake``), used for the batches without a straggler notice.
         """
         cfg, p = self.cfg, self.cfg.params
         count = len(slots)
@@ -487,6 +501,27 @@ class Transport:
             return max(0, min(self.pacer.window() - open_, base + p.slots - nxt, count - nxt))
 
         all_sent = math.inf  # when the last new use went out
+
+        def answered(finished: np.ndarray, sock: socket.socket) -> float:
+            """Record the uses ``finished`` (marked done, in the order answered) as answered at
+            ``last_answer``: the pacer's round trips and window, RACK's latest answered use, the counters.
+            Returns the earliest (last) send among them."""
+            nonlocal rack_sent, rack_use, rack_rtt
+            if paced:
+                clean = finished[tries[finished] == 0]
+                if clean.size:
+                    at = sent_at[clean]
+                    self.pacer.sample_many(last_answer - at)
+                    latest_at = float(at.max())  # the latest send, and the latest use of that send
+                    latest = int(clean[at == latest_at].max())
+                    if (latest_at, latest) > (rack_sent, rack_use):
+                        rack_sent, rack_use = latest_at, latest
+                        rack_rtt = last_answer - rack_sent
+                self.pacer.answered(last_answer, int(finished.size))
+            self.stats.results += int(finished.size)
+            if sock is not self.sock:
+                self.stats.multicast_results += int(finished.size)
+            return float(sent_at[finished].min())
 
         def end() -> np.ndarray:
             self.stats.tail_s += max(0.0, time.monotonic() - all_sent)
@@ -557,6 +592,15 @@ class Transport:
                     rows, lens = self._receive_batch(sock)
                     if not len(rows):
                         break
+                    if intake is not None and not has_notice(rows, lens):
+                        finished = np.empty(len(rows), np.int64)
+                        taken, pending, unexpected = intake(rows, lens, use_of_slot, done, finished)
+                        self.stats.unexpected += unexpected
+                        if pending:
+                            last_answer = time.monotonic()
+                        if taken:
+                            progress = min(progress, answered(finished[:taken], sock))
+                        continue
                     hv = header_view(rows)
                     mine = (lens >= HEADER_BYTES) & (hv["job"] == p.job) & (hv["key"] == p.key)
                     slot = hv["slot"].astype(np.int64)
@@ -593,19 +637,7 @@ class Transport:
                         continue
                     done[finished] = True
                     use_of_slot[slots[finished]] = -1
-                    progress = min(progress, float(sent_at[finished].min()))
-                    if paced:
-                        clean = finished[tries[finished] == 0]
-                        if clean.size:
-                            self.pacer.sample_many(last_answer - sent_at[clean])
-                            latest = clean[np.lexsort((clean, sent_at[clean]))[-1]]
-                            if (sent_at[latest], latest) > (rack_sent, rack_use):
-                                rack_sent, rack_use = float(sent_at[latest]), int(latest)
-                                rack_rtt = last_answer - rack_sent
-                        self.pacer.answered(last_answer, int(finished.size))
-                    self.stats.results += int(finished.size)
-                    if sock is not self.sock:
-                        self.stats.multicast_results += int(finished.size)
+                    progress = min(progress, answered(finished, sock))
             if last_answer > heard:  # the path spoke: the timers of the uses sent before start now
                 since = heard_since[base:nxt]
                 at = sent_at[base:nxt]
