@@ -59,7 +59,7 @@ from worker_lib.udp_offload import GSO_BYTES, GSO_SEGMENTS, SOL_UDP, UDP_SEGMENT
 from worker_lib.wire.bits import pack_bits
 from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, PacketType
 from worker_lib.wire.pcap import PcapWriter
-from worker_lib.wire.protocol import Header, fragment_count, next_round, serial_newer
+from worker_lib.wire.protocol import ROUND_MASK, Header, fragment_count, serial_newer
 from worker_lib.wire.serializer import build_batch, float_bits, header_view
 
 log = logging.getLogger(__name__)
@@ -376,7 +376,7 @@ class Transport:
         hdr = p.request_fields(typ, worker=self.wire_worker, slot=slots, round=rounds, tensor=tensor,
                                chunk=np.arange(count))
         pkts = build_batch(hdr, payloads)
-        rows = [[row] for row in pkts]  # row views (sendto takes any buffer): no copy per datagram
+        rows = pkts[:, None]  # rows[i]: use i's one datagram, as a (1, L) view (sendto takes any buffer)
         k = 1 if is_norm else p.elems
         signed = p.kind == "uncompressed"
         # int32 holds every 8/16-bit sum and the uncompressed job's int32 sums; only THC's 32-bit results
@@ -422,17 +422,17 @@ class Transport:
     # -- the engine --------------------------------------------------------------------------------
     def _claim_uses(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The slots and rounds of the next ``count`` uses of the pool, in use order."""
-        slots = np.empty(count, np.int64)
-        rounds = np.empty(count, np.int64)
-        for i in range(count):
-            s = (self.next_use + i) % self.cfg.params.slots
-            slots[i] = s
-            rounds[i] = self.slot_round[s]
-            self.slot_round[s] = next_round(self.slot_round[s])
+        pool = self.cfg.params.slots
+        use = np.arange(count, dtype=np.int64)
+        slots = (self.next_use + use) % pool
+        start = np.asarray(self.slot_round, np.int64)
+        rounds = (start[slots] + use // pool) & ROUND_MASK  # use // pool: earlier uses of its slot in this run
+        self.slot_round = ((start + np.bincount(slots, minlength=pool)) & ROUND_MASK).tolist()
         self.next_use += count
         return slots, rounds
 
-    def _exchange(self, slots: np.ndarray, rounds: np.ndarray, packets: list[list[bytes]] | list[list[np.ndarray]],
+    def _exchange(self, slots: np.ndarray, rounds: np.ndarray,
+                  packets: list[list[bytes]] | list[list[np.ndarray]] | np.ndarray,
                   accept: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray],
                   resend: Callable[[int], Iterable[int]], *,
                   tensor: int, policy: LossPolicy, what: str, paced: bool = True,
