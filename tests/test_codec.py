@@ -287,3 +287,21 @@ def test_allreduce_decodes_into_outs_and_computes_the_error_beside_the_exchange(
         assert torch.allclose(e.double(), (g.double() + 0.01) - rht.inverse(x_i), atol=1e-5)
     with pytest.raises(RuntimeError, match="residual failed"):
         _lossy_allreduce([torch.zeros(3000) for _ in range(3)], residual_fails=True)
+
+
+def test_a_bad_gradient_or_error_is_named_and_leaves_nothing_to_decode():
+    """With caller-kept error feedback one norm is computed, of gradient + error; a failure still names
+    which of the two is bad, and the failed step cannot be quantized into a residual or decoded."""
+    w = THCWorker(THCConfig(error_feedback=False), job=1)
+    good, err = torch.ones(8), torch.zeros(8)
+    n = w.begin(good, 0, 0, error=err)
+    assert n == pytest.approx(8 ** 0.5)
+    w.compress(0, n)
+    with pytest.raises(ValueError, match="^gradient holds NaN or infinite"):
+        w.begin(torch.tensor([1.0, float("nan")] * 4), 0, 1, error=err)
+    with pytest.raises(RuntimeError, match="compress"):
+        w.residual(0, out=torch.empty(8))
+    with pytest.raises(ValueError, match="^the gradient plus its error feedback holds NaN or infinite"):
+        w.begin(good, 0, 1, error=torch.tensor([0.0, float("inf")] * 4))
+    with pytest.raises(ValueError, match="^gradient's norm overflows"):
+        w.begin(torch.full((8,), 3e38), 0, 1, error=err)

@@ -55,24 +55,32 @@ class THCConfig:
 
 
 def check_vector(x: torch.Tensor, name: str = "gradient") -> tuple[torch.Tensor, float]:
-    """Flatten a tensor to float32, refusing what THC cannot encode; also return its norm.
+    """Flatten a tensor to float32, refusing what THC cannot encode; also return its norm."""
+    flat = flat_float32(x, name)
+    return flat, finite_norm(flat, name)
 
-    A finite norm proves every coordinate finite, so the O(d) scan for NaN and infinities runs only
-    to explain a failure.
-    """
+
+def flat_float32(x: torch.Tensor, name: str = "gradient") -> torch.Tensor:
+    """A tensor flattened to float32 (a view where it already is), refusing other types and empty ones."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.numel() == 0:
         raise ValueError(f"{name} is empty")
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
-    flat = x.detach().reshape(-1).to(torch.float32)
+    return x.detach().reshape(-1).to(torch.float32)
+
+
+def finite_norm(flat: torch.Tensor, name: str = "gradient") -> float:
+    """The norm of a flat float32 tensor, refusing NaN, infinities and a norm that overflows. A finite
+    norm proves every coordinate finite, so the O(d) scan for NaN and infinities runs only to explain a
+    failure."""
     norm = float(torch.linalg.vector_norm(flat))
     if not math.isfinite(norm):
         if bool(torch.isfinite(flat).all()):
             raise ValueError(f"{name}'s norm overflows float32 (values around 1e19 or larger)")
         raise ValueError(f"{name} holds NaN or infinite values")
-    return flat, norm
+    return norm
 
 
 def check_norm(value: float, name: str = "norm") -> float:
@@ -315,7 +323,7 @@ class THCWorker:
         ``error``: error feedback kept by the caller (the DDP hook keeps it per parameter), added to the
         gradient here instead of this worker's own; ``residual`` then computes the next one.
         """
-        flat, norm = check_vector(grad)
+        flat = flat_float32(grad)
         key = SignKey.derive(self.job, tensor, step)
         st = self._tensors.get(tensor)
         if st is None or st.x.numel() != flat.numel():
@@ -323,6 +331,8 @@ class THCWorker:
             zeros = torch.zeros(flat.numel(), dtype=torch.float32, device=self.codec.device)
             st = self._tensors[tensor] = _TensorState(buffers, zeros.clone(), zeros)
         own = self.config.error_feedback and st.has_error
+        if error is None and not own:
+            norm = finite_norm(flat)
         if error is not None:
             if error.shape != (flat.numel(),):
                 raise ValueError(f"the error feedback has shape {tuple(error.shape)}, the gradient {flat.numel()} "
@@ -333,7 +343,13 @@ class THCWorker:
             if own:
                 st.x.add_(st.error)
         if error is not None or own:
-            norm = check_vector(st.x, "the gradient plus its error feedback")[1]
+            # one norm, of what is rotated (the gradient's own is computed only to name a bad gradient)
+            try:
+                norm = finite_norm(st.x, "the gradient plus its error feedback")
+            except ValueError:
+                st.encoded = None  # nothing of this step may be quantized or decoded
+                finite_norm(flat)
+                raise
         st.key, st.shape, st.dtype, st.encoded, st.norm = key, grad.shape, grad.dtype, None, norm
         self.codec.rotate(st.x, key, st.buffers)
         return st.norm
