@@ -228,6 +228,44 @@ def test_unreachable_aggregator_raises_after_deadline() -> None:
     tr.close()
 
 
+def test_answers_that_finish_nothing_do_not_hold_a_worker_past_its_deadline() -> None:
+    """A peer that answers every request with a RESULT of another round (as stale retained results or a
+    confused aggregator would): each answer is for an open use's slot, so the path is not silent, but no
+    use ever finishes. The worker gives up at its deadline with a clear error instead of waiting forever."""
+    cfg = JobConfig(workers=1, slots=4, elems=K)
+    peer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    peer.bind(("127.0.0.1", 0))
+    peer.settimeout(0.05)
+    stop = threading.Event()
+
+    def answer_wrongly() -> None:
+        while not stop.is_set():
+            try:
+                data, addr = peer.recvfrom(65536)
+            except TimeoutError:
+                continue
+            h, _ = Header.parse(data)
+            wrong = h.replace(type=2, round=(h.round + 1000) % 65536, width=8, contributors=1, bitmap=1)
+            peer.sendto(wrong.pack(bytes(h.elems)), addr)
+
+    th = threading.Thread(target=answer_wrongly, daemon=True)
+    th.start()
+    # resends at most 0.1 s apart draw an answer each, well inside the 1 s deadline
+    tr = Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", peer.getsockname()[1]), deadline=1.0,
+                                   timeout=0.02, max_timeout=0.1))
+    try:
+        started = time.monotonic()
+        with pytest.raises(AggregatorUnreachable, match="no use answered or given up"):
+            tr.exchange_indices(random_indices(cfg, 4)[0])
+        assert time.monotonic() - started < 30
+        assert tr.stats.unexpected > 0 and tr.stats.results == 0
+    finally:
+        stop.set()
+        th.join(5)
+        tr.close()
+        peer.close()
+
+
 def test_round_wraparound() -> None:
     """Workers whose slot rounds wrap past 65535 during the exchange stay exact."""
     cfg = JobConfig(workers=2, slots=2, elems=K)

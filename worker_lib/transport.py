@@ -463,7 +463,8 @@ class Transport:
         runs = np.zeros(count, np.int64)  # runs of uses lost on their first send (pacing.extend_loss_runs)
         use_of_slot = np.full(p.slots, -1, np.int64)  # the pending use of each slot, -1 none
         base = nxt = 0
-        last_answer = time.monotonic()
+        last_answer = last_progress = time.monotonic()
+        done_count = 0  # uses done (answered or given up) when last counted
         # Early retransmission (pacing.py, "Loss seen from later answers"): the latest-sent use answered
         # on its first send, and its round trip. Reliable and paced only: zero-fill's workers must keep
         # to one fixed timeout to stay in step.
@@ -565,10 +566,15 @@ class Transport:
                 # must not make this resend look sent earlier than it (RACK would resend it again)
                 sent_at[i] = time.monotonic()
                 heard_since[i] = math.inf
-            if now - last_answer > cfg.deadline:
+            if (now_done := int(np.count_nonzero(done))) != done_count:
+                done_count, last_progress = now_done, now
+            if now - last_answer > cfg.deadline or now - last_progress > cfg.deadline:
                 where = ", ".join(f"{h}:{p}" for h, p in (cfg.aggregator, *cfg.more_aggregators))
+                # answers that finish nothing (stale rounds, notices of no newer round) must not hold a
+                # worker past its deadline either
+                heard = "no answer" if now - last_answer > cfg.deadline else "no use answered or given up"
                 raise AggregatorUnreachable(
-                    f"worker {cfg.worker}: no answer from the aggregator at {where} (shards={cfg.shards}) "
+                    f"worker {cfg.worker}: {heard} from the aggregator at {where} (shards={cfg.shards}) "
                     f"for {cfg.deadline:.1f} s: is thc-aggregator running there with {what}, and are the job's "
                     f"other workers sending?")
             while base < count and done[base]:
