@@ -297,11 +297,11 @@ def test_a_bad_gradient_or_error_is_named_and_leaves_nothing_to_decode():
     n = w.begin(good, 0, 0, error=err)
     assert n == pytest.approx(8 ** 0.5)
     w.compress(0, n)
-    with pytest.raises(ValueError, match="^gradient holds NaN or infinite"):
+    with pytest.raises(ValueError, match=r"^gradient holds NaN or infinite"):
         w.begin(torch.tensor([1.0, float("nan")] * 4), 0, 1, error=err)
     with pytest.raises(RuntimeError, match="compress"):
         w.residual(0, out=torch.empty(8))
-    with pytest.raises(ValueError, match="^the gradient plus its error feedback holds NaN or infinite"):
+    with pytest.raises(ValueError, match=r"^the gradient plus its error feedback holds NaN or infinite"):
         w.begin(good, 0, 1, error=torch.tensor([0.0, float("inf")] * 4))
-    with pytest.raises(ValueError, match="^gradient's norm overflows"):
+    with pytest.raises(ValueError, match=r"^gradient's norm overflows"):
         w.begin(torch.full((8,), 3e38), 0, 1, error=err)
