@@ -172,8 +172,8 @@ class Shard:
     def __init__(self, cfg: ServerConfig, sock: socket.socket, shard: int, jobs: Sequence[JobConfig],
                  counters: np.ndarray | None = None, dar_counters: np.ndarray | None = None) -> None:
         self.cfg, self.shard = cfg, shard
-        # answers leave as segmentation-offload runs (one per destination), except to a multicast group
-        self.io = BatchSocket(sock, batch=cfg.batch, stride=cfg.stride, gso=not cfg.multicast, gro=cfg.gro)
+        # answers leave as segmentation-offload runs (one per destination; a multicast group is one)
+        self.io = BatchSocket(sock, batch=cfg.batch, stride=cfg.stride, gso=True, gro=cfg.gro)
         if cfg.multicast:
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(cfg.host))
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)

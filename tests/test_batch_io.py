@@ -60,6 +60,49 @@ def test_rows_arrive_as_their_datagrams(gso: bool) -> None:
             s.close()
 
 
+def test_a_run_to_a_multicast_group_arrives_as_its_datagrams() -> None:
+    """A multicast job's results leave as segmentation-offload runs too: 100 datagrams to a group on the
+    loopback interface reach two members, each exactly those datagrams in order, from 2 messages."""
+    from tests.test_transport import _loopback_multicast_problem
+
+    if not gso_available(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)):
+        pytest.skip("the kernel has no UDP_SEGMENT (udp(7), Linux 4.18+)")
+    problem = _loopback_multicast_problem()
+    if problem:
+        pytest.skip(problem)
+    group = "239.77.0.3"
+    probe = _receivers(1)[0]
+    port = probe.getsockname()[1]  # a free port
+    probe.close()
+    membership = socket.inet_aton(group) + socket.inet_aton("127.0.0.1")
+    members = []
+    for _ in range(2):
+        m = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        m.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        m.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        m.bind((group, port))
+        m.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, membership)
+        m.settimeout(5)
+        members.append(m)
+    sock = udp_socket("127.0.0.1", 0)
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
+    tx = BatchSocket(sock, batch=8, gso=True)
+    buf = np.random.default_rng(2).integers(0, 256, (100, 1056), dtype=np.uint8)
+    dest = np.repeat(np.frombuffer(sockaddr_in(group, port), np.uint8)[None, :], 100, axis=0)
+    try:
+        assert tx.send(buf, np.arange(100), np.full(100, 1056), dest) == 100
+        assert tx.gso and tx.gso_messages == 2, tx.gso_messages  # 64 + 36
+        for m in members:
+            assert [m.recv(65536) for _ in range(100)] == [row.tobytes() for row in buf]
+            m.settimeout(0.05)
+            with pytest.raises(TimeoutError):
+                m.recv(65536)
+    finally:
+        sock.close()
+        for m in members:
+            m.close()
+
+
 def test_gro_receive_cuts_runs_back_into_their_datagrams() -> None:
     """A receiver with UDP_GRO gets runs sent with UDP_SEGMENT as one message each and cuts them back:
     the 150 datagrams of one length (runs of 64, 64, 22), then datagrams of other lengths and single ones,
