@@ -332,17 +332,14 @@ class THCWorker:
             st = self._tensors[tensor] = _TensorState(buffers, zeros.clone(), zeros)
         own = self.config.error_feedback and st.has_error
         if error is None and not own:
-            norm = finite_norm(flat)
-        if error is not None:
-            if error.shape != (flat.numel(),):
+            norm = finite_norm(flat)  # checked before the tensor's buffer changes
+            st.x.copy_(flat)
+        else:
+            if error is not None and error.shape != (flat.numel(),):
                 raise ValueError(f"the error feedback has shape {tuple(error.shape)}, the gradient {flat.numel()} "
                                  "coordinates")
-            torch.add(flat, error, out=st.x)  # into the tensor's buffer: no new 4 bytes per coordinate
-        else:
-            st.x.copy_(flat)
-            if own:
-                st.x.add_(st.error)
-        if error is not None or own:
+            # into the tensor's buffer: no new 4 bytes per coordinate
+            torch.add(flat, st.error if error is None else error, out=st.x)
             # one norm, of what is rotated (the gradient's own is computed only to name a bad gradient)
             try:
                 norm = finite_norm(st.x, "the gradient plus its error feedback")
