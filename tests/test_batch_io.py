@@ -8,7 +8,11 @@ import socket
 import numpy as np
 import pytest
 
+from aggregator.server import ServerConfig
+from aggregator.shard import Shard
+from tests.test_transport import loopback_multicast_problem
 from worker_lib.batch_io import BatchSocket, sockaddr_in, udp_socket
+from worker_lib.job import JobConfig
 from worker_lib.udp_offload import gso_available
 
 
@@ -61,13 +65,12 @@ def test_rows_arrive_as_their_datagrams(gso: bool) -> None:
 
 
 def test_a_run_to_a_multicast_group_arrives_as_its_datagrams() -> None:
-    """A multicast job's results leave as segmentation-offload runs too: 100 datagrams to a group on the
-    loopback interface reach two members, each exactly those datagrams in order, from 2 messages."""
-    from tests.test_transport import _loopback_multicast_problem
-
+    """A multicast job's results leave as segmentation-offload runs too: 100 datagrams from a multicast
+    aggregator's shard to a group on the loopback interface reach two members, each exactly those
+    datagrams in order, from 2 messages."""
     if not gso_available(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)):
         pytest.skip("the kernel has no UDP_SEGMENT (udp(7), Linux 4.18+)")
-    problem = _loopback_multicast_problem()
+    problem = loopback_multicast_problem()
     if problem:
         pytest.skip(problem)
     group = "239.77.0.3"
@@ -84,9 +87,12 @@ def test_a_run_to_a_multicast_group_arrives_as_its_datagrams() -> None:
         m.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, membership)
         m.settimeout(5)
         members.append(m)
-    sock = udp_socket("127.0.0.1", 0)
-    sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
-    tx = BatchSocket(sock, batch=8, gso=True)
+    # the socket a multicast aggregator's shard sends from (it sets the interface and loopback itself)
+    cfg = ServerConfig(port=0, host="127.0.0.1", multicast=True,
+                       jobs=[JobConfig(workers=2, multicast=f"{group}:{port}")])
+    shard = Shard(cfg, udp_socket("127.0.0.1", 0), 0, cfg.jobs)
+    tx, sock = shard.io, shard.io.sock
+    assert tx.gso  # before the send: a refused run would also turn it off
     buf = np.random.default_rng(2).integers(0, 256, (100, 1056), dtype=np.uint8)
     dest = np.repeat(np.frombuffer(sockaddr_in(group, port), np.uint8)[None, :], 100, axis=0)
     try:

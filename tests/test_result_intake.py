@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import worker_lib.transport as transport_mod
+from tests.test_transport import oracle, random_indices, run_workers, serving
 from worker_lib.job import JobConfig
 from worker_lib.result_intake import has_notice, take_results
 
@@ -177,8 +178,6 @@ def test_a_notice_in_the_batch_is_seen() -> None:
 def test_transport_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same lossy exchange with the compiled intake and with the numpy path (forced by making every
     batch look as if it held a notice) gives the same sums, counts and bitmaps: the lookup sums."""
-    from tests.test_transport import oracle, random_indices, run_workers, serving
-
     cfg = JobConfig(workers=2, slots=64, elems=64)
     indices = random_indices(cfg, chunks=300, seed=2)
     outs = []

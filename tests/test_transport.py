@@ -360,7 +360,7 @@ def test_thc_allreduce_decodes_like_the_codec() -> None:
     assert 0 < nmse < 0.2
 
 
-def _loopback_multicast_problem() -> str | None:
+def loopback_multicast_problem() -> str | None:
     """Why IP multicast on the loopback interface does not work here (None if it does)."""
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     probe.bind(("127.0.0.1", 0))
@@ -389,7 +389,7 @@ def _loopback_multicast_problem() -> str | None:
 def test_multicast_results() -> None:
     """--multicast: each completion is one datagram to the job's group, which every worker receives;
     retained results still come back by unicast."""
-    problem = _loopback_multicast_problem()
+    problem = loopback_multicast_problem()
     if problem:
         pytest.skip(problem)
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
