@@ -23,6 +23,7 @@ Needs root (exits with the reason otherwise). All namespaces are removed at the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.loss_phases import LossPhases, compare_phases
 from topologies.netem import NetemConfig, NetemError, Topology, require_root
 from topologies.netem.ddp import run_training, start_aggregator
 from worker_lib.cli.args import comma_list, float_in, int_in
@@ -114,7 +116,7 @@ def measure(net: Topology, run: Run, job: int, args: argparse.Namespace, agg_pid
             "early_retransmissions": hook.get("transport_early_retransmissions", 0),
             "slot_bound_s": hook.get("transport_slot_bound_s", 0.0) / steps,
             "window_bound_s": hook.get("transport_window_bound_s", 0.0) / steps,
-            "tail_s": hook.get("transport_tail_s", 0.0) / steps,
+            "tail_s": hook.get("transport_tail_s", 0.0) / steps, "step_marks": s.get("step_marks", []),
             "worker_cpu_s": hook.get("process_cpu_s", 0.0), "hook_cpu_s": per["cpu_s"],
             "datagrams_per_batch": hook.get("transport_datagrams_received", 0) / max(1, hook.get(
                 "transport_receive_batches", 0))}
@@ -144,13 +146,16 @@ def job_configs(args: argparse.Namespace) -> list[JobConfig]:
 
 
 def run_all(args: argparse.Namespace) -> list[dict]:
-    """Every rate x loss x mode, ``--repeats`` times, loss rates interleaved (a fresh topology each)."""
+    """Every rate x loss x mode, ``--repeats`` times, loss rates interleaved (a fresh topology each). With
+    ``--loss-phases``, one run per rate, mode and repeat, its loss alternating between 0 and ``--loss``'s
+    other value (``benchmarks.loss_phases``)."""
     rows = []
+    losses = [max(args.loss)] if args.loss_phases else args.loss
     with tempfile.TemporaryDirectory(prefix="ddp-netem-") as tmpd:
         tmp = Path(tmpd)
-        for rate, _, pct in ((r, k, x) for r in args.rates for k in range(args.repeats) for x in args.loss):
+        for rate, _, pct in ((r, k, x) for r in args.rates for k in range(args.repeats) for x in losses):
             # with any lossy rate, the lossless runs pass the same loss rules dropping nothing (their CPU)
-            loss = {f"w{i}": pct for i in range(args.workers)} if any(args.loss) else {}
+            loss = {f"w{i}": 0.0 if args.loss_phases else pct for i in range(args.workers)} if any(args.loss) else {}
             cfg = NetemConfig(workers=args.workers, rate_mbit=rate, qdisc=args.qdisc, loss_percent=loss,
                               loss_udp_only=args.loss_udp_only, prefix="thcbench", mtu=args.mtu)
             with Topology(cfg) as net:
@@ -161,8 +166,11 @@ def run_all(args: argparse.Namespace) -> list[dict]:
                     agg = start_aggregator(net, job_configs(args), multicast=any(m.endswith("mcast") for m in modes),
                                            extra=["--gro"] if args.gro else [])
                 for mode in args.modes:
-                    row = measure(net, Run(rate, mode, pct), jobs.get(mode, 9), args, agg.pid if agg else None,
-                                  tmp)
+                    with LossPhases(net, pct, args.loss_phases) if args.loss_phases else contextlib.nullcontext() \
+                            as phases:
+                        row = measure(net, Run(rate, mode, pct), jobs.get(mode, 9), args, agg.pid if agg else None,
+                                      tmp)
+                    row["switches"] = phases.switches if phases else []
                     rows.append(row)
                     print(f"  {rate:>7g} Mbit/s {pct:g} % loss {mode:<12} step {row['step_s'] * 1e3:8.1f} ms  "
                           f"{row['samples_per_s']:8.1f} samples/s  (wall {row['wall_s']:.0f} s)", flush=True)
@@ -234,6 +242,34 @@ def loss_report(rows: list[dict]) -> None:
               f"{grown['tail_s'] * 1e3:8.1f} {grown['slot_bound_s'] * 1e3:9.1f}")
 
 
+def phase_report(rows: list[dict], warmup: int) -> None:
+    """Per rate, mode and loss, the lossy phases against the lossless phase before each (``--loss-phases``)."""
+    print("\nloss phases within each run (steps that overlap a switch left out; extra: median over the pairs of "
+          "adjacent lossless and lossy phases of the difference of their median steps, with its 90 % bootstrap "
+          "interval; resent: rank 0's retransmitted datagrams per lossy step, at most MTU bytes each, at the link "
+          "rate; verdict: met when the interval's top is within it, missed when its bottom is above it; where "
+          "the extra goes, medians over the pairs, lossy minus lossless per step: tail, an exchange's time after "
+          "its last new use; slots, sending stopped behind the oldest open use's slot; window, sending stopped by "
+          "a full window; the hook's encode, network and decode phases; the CPU of rank 0's hook thread and of "
+          "its whole process)")
+    print(f"{'rate':>8} {'loss':>5} {'mode':<12} {'pairs':>5} {'lossless':>9} {'lossy':>9} {'extra ms':>9} "
+          f"{'90 % interval':>15} {'resent ms':>10} {'verdict':<9} | {'tail':>5} {'slots':>6} {'window':>6} "
+          f"{'encode':>6} {'network':>7} {'decode':>6} {'hookcpu':>7} {'cpu':>6}")
+    for rate, mode, pct in sorted({(r["rate_mbit"], r["mode"], r["loss"]) for r in rows}):
+        same = [r for r in rows if (r["rate_mbit"], r["mode"], r["loss"]) == (rate, mode, pct)]
+        cmp = compare_phases([(r["step_marks"], r["switches"], warmup) for r in same])
+        if cmp is None:
+            print(f"{rate:>8g} {pct:>5g} {mode:<12} no pair of phases with whole steps: lengthen --loss-phases")
+            continue
+        mtu = same[0]["mtu"]
+        print(f"{rate:>8g} {pct:>5g} {mode:<12} {cmp.pairs:>5} {cmp.lossless_s * 1e3:9.1f} {cmp.lossy_s * 1e3:9.1f} "
+              f"{cmp.extra_s * 1e3:9.1f} {f'{cmp.low_s * 1e3:.1f} .. {cmp.high_s * 1e3:.1f}':>15} "
+              f"{cmp.resent_s(mtu, rate) * 1e3:10.2f} {cmp.verdict(mtu, rate):<9} | "
+              + " ".join(f"{cmp.grown[k] * 1e3:{w}.1f}" for k, w in (
+                  ("tail_s", 5), ("slot_bound_s", 6), ("window_bound_s", 6), ("encode_s", 6), ("network_s", 7),
+                  ("decode_s", 6), ("hook_cpu_s", 7), ("cpu_s", 6))))
+
+
 def plot(rows: list[dict], path: Path) -> None:
     """Throughput vs link bandwidth, one line per mode (the shape of THC's Figure 6)."""
     import matplotlib
@@ -302,6 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", type=comma_list(float_in(0, 99), "0,1"), default=[0.0],
                    help="random loss in %% per direction on every worker's link, comma-separated, each in 0..99: 0,1 "
                         "runs lossless and 1 %% interleaved and compares them (netem, or nftables: whole %%)")
+    p.add_argument("--loss-phases", type=float_in(0.1, 3600), metavar="SECONDS",
+                   help="with --loss 0,P: one run per repeat whose loss switches between 0 and P %% every SECONDS, "
+                        "each lossy phase compared with the lossless one before it (cancels the machine's drift "
+                        "between runs; give enough --steps for several phases)")
     p.add_argument("--repeats", type=int_in(1, 1000), default=1,
                    help="runs of every configuration, 1..1000 (medians are reported)")
     p.add_argument("--gro", action="store_true", help="workers and aggregator read runs that arrive whole as one "
@@ -345,13 +385,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.steps <= args.warmup:
         ap.error(f"--steps ({args.steps}) must be more than --warmup ({args.warmup}): no step would be timed")
+    if args.loss_phases and (len(args.loss) != 2 or min(args.loss) != 0 or max(args.loss) == 0):
+        ap.error(f"--loss-phases needs --loss 0,P with P > 0 (the two phases), got --loss {args.loss}")
     check_common(ap, args, lambda: job_configs(args))
     rows = run_as_root("ddp_netem", lambda: run_all(args))
     if isinstance(rows, int):
         return rows
-    report(rows)
+    if args.loss_phases:
+        phase_report(rows, args.warmup)
+    else:
+        report(rows)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps(rows, indent=1, default=vars))
     if args.plot:
         plot(rows, args.plot)
         print(f"plot: {args.plot}")

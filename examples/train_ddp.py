@@ -276,6 +276,11 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_world: int, devi
         clock = 0.0  # seconds spent in training steps, warm-up included (evaluations excluded)
         times = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0, "step_s": 0.0}
         timed = 0
+        # per step: start and end (time.perf_counter: CLOCK_MONOTONIC, comparable across processes), then
+        # counters so far: this rank's transport (retransmissions, tail_s, slot_bound_s, window_bound_s), its
+        # hook (encode_s, network_s, decode_s, cpu_s: its thread's CPU) and its process CPU; for benchmarks
+        # that change the network during a run (benchmarks/loss_phases.py)
+        marks: list[tuple[float, ...]] = []
         base: dict[str, float] = {}
         cpu_at_warmup = time.process_time()
         for step in range(args.steps):
@@ -300,6 +305,13 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_world: int, devi
                 torch.cuda.synchronize(device)
             t3 = time.perf_counter()
             clock += t3 - t0
+            if state is not None:
+                ts, hs = state.transport.stats, state.stats
+                counters = (ts.retransmissions, ts.tail_s, ts.slot_bound_s, ts.window_bound_s, hs.encode_s,
+                            hs.network_s, hs.decode_s, hs.cpu_s)
+            else:
+                counters = (0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+            marks.append((t0, t3, *counters, time.process_time()))
             if step >= args.warmup:
                 timed += 1
                 for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0), strict=True):
@@ -337,7 +349,7 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_world: int, devi
                 "identical": len(set(digests)) == 1, "identical_every_step": identical_steps,
                 "timed_steps": timed, **{k: v / max(timed, 1) for k, v in times.items()},
                 "hook": hook_stats, "aggregator": list(state.config.aggregator) if state else None,
-                "multicast": args.multicast,
+                "multicast": args.multicast, "step_marks": marks,
             }
         dist.barrier()  # nobody stops the aggregator while a rank still needs it
     return summary

@@ -90,6 +90,30 @@ def test_random_loss_and_multicast() -> None:
     assert mcast[0]["packets"] == 100 and 65 < mcast[1]["packets"] < 95  # w1's downlink loses 20 % too
 
 
+@needs_root
+def test_loss_changes_on_running_links() -> None:
+    """set_loss turns w0's 0 % into 50 % and back on the running topology: the same sender loses about half
+    its datagrams in between, none before or after; nodes not built with loss are refused."""
+    cfg = NetemConfig(workers=1, rate_mbit=100, loss_percent={"w0": 0}, loss_method="nftables",
+                      loss_udp_only=True, prefix="thcsl")
+    with Topology(cfg) as net:
+        agg = net.address("agg")
+
+        def received(port: int) -> int:
+            return _measure(net, "agg", ["--bind", f"{agg}:{port}"], "w0",
+                            ["--to", f"{agg}:{port}", "--count", "1000", "--pps", "4000"])["packets"]
+
+        before = received(9011)
+        net.set_loss({"w0": 50})
+        halved = received(9012)
+        net.set_loss({"w0": 0})
+        after = received(9013)
+        with pytest.raises(NetemError, match="exactly the nodes built with loss"):
+            net.set_loss({"w0": 1, "agg": 1})
+    assert before == after == 1000
+    assert 350 < halved < 650, halved
+
+
 GSO_SENDER = """
 import socket, struct, sys, time
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

@@ -121,6 +121,7 @@ class Topology:
         hosts = ipaddress.ip_network(cfg.subnet).hosts()
         self._addr = {node: str(next(hosts)) for node in cfg.nodes}
         self.loss_method: str | None = None
+        self._netem_parents: dict[tuple[str, str, str], list[str]] = {}  #: (ns, dev, node) -> netem's parent
 
     # -- names ---------------------------------------------------------------------------------------
     def ns(self, node: str) -> str:
@@ -180,8 +181,8 @@ class Topology:
                 # send, a TCP segment train) is cut into frames as it leaves any node, as a NIC would,
                 # not dropped whole by a rule on the bridge.
                 _run([*n, "link", "set", "dev", "eth0", "gso_max_segs", "1"])
-            self._shape(ns, "eth0", loss)
-            self._shape(self.bridge_ns, port, loss)
+            self._shape(ns, "eth0", loss, node)
+            self._shape(self.bridge_ns, port, loss, node)
         if self.loss_method == "nftables":
             self._nft_loss()
         self._wait_ready()
@@ -191,7 +192,7 @@ class Topology:
         _run(["ip", "netns", "add", ns])
         self._created.append(ns)
 
-    def _shape(self, ns: str, dev: str, loss: float | None) -> None:
+    def _shape(self, ns: str, dev: str, loss: float | None, node: str) -> None:
         """Rate (tbf/htb) at the root, and netem loss under it when asked for (None: not) and available."""
         cfg = self.cfg
         tc = ["tc", "-n", ns, "qdisc"]
@@ -214,6 +215,7 @@ class Topology:
             self.loss_method = self._pick_loss_method(ns, dev, parent)
         if self.loss_method == "netem":
             _run([*tc, "add", "dev", dev, *parent, "handle", "10:", "netem", "loss", f"{loss}%", "limit", "100000"])
+            self._netem_parents[ns, dev, node] = parent
 
     def _pick_loss_method(self, ns: str, dev: str, parent: list[str]) -> str:
         if self.cfg.loss_method != "auto":
@@ -238,19 +240,46 @@ class Topology:
         datagram is lost on the wire as with netem: the sender's ``sendto`` does not fail (an output
         hook drop would return EPERM to it).
         """
+        lines = ["table bridge thcloss {", "  chain links {", "    type filter hook forward priority 0; policy accept;",
+                 *(f"    {rule}" for rule in self._nft_rules(self.cfg.loss_percent)), "  }", "}", ""]
+        _run(["ip", "netns", "exec", self.bridge_ns, "nft", "-f", "-"], stdin="\n".join(lines))
+
+    def _nft_rules(self, loss_percent: dict[str, float]) -> list[str]:
+        """The loss chain's rules for ``loss_percent`` (node -> % per direction; whole percent only)."""
         what = "ip protocol udp " if self.cfg.loss_udp_only else ""
-        lines = ["table bridge thcloss {", "  chain links {", "    type filter hook forward priority 0; policy accept;"]
+        rules = []
         for i, node in enumerate(self.cfg.nodes):
-            loss = self.cfg.loss_percent.get(node)
+            loss = loss_percent.get(node)
             if loss is None:
                 continue
             pct = round(loss)
             if abs(pct - loss) > 1e-9:
                 raise NetemError(f"nftables loss is in whole percent, got {loss} for {node}")
-            lines += [f'    iifname "p{i}" {what}numgen random mod 100 < {pct} counter drop comment "{node} up"',
-                      f'    oifname "p{i}" {what}numgen random mod 100 < {pct} counter drop comment "{node} down"']
-        lines += ["  }", "}", ""]
-        _run(["ip", "netns", "exec", self.bridge_ns, "nft", "-f", "-"], stdin="\n".join(lines))
+            rules += [f'iifname "p{i}" {what}numgen random mod 100 < {pct} counter drop comment "{node} up"',
+                      f'oifname "p{i}" {what}numgen random mod 100 < {pct} counter drop comment "{node} down"']
+        return rules
+
+    def set_loss(self, loss_percent: dict[str, float]) -> None:
+        """Change the loss of running links at once, e.g. to alternate lossless and lossy phases in one run.
+
+        Only nodes the topology was built with loss for (``NetemConfig.loss_percent``, 0 included) can
+        change, and each must be given: the nftables chain is replaced in one transaction (its drop
+        counters start again from 0), netem's qdiscs are changed in place.
+        """
+        if set(loss_percent) != set(self.cfg.loss_percent):
+            raise NetemError(f"set_loss needs exactly the nodes built with loss, {sorted(self.cfg.loss_percent)}; "
+                             f"got {sorted(loss_percent)}")
+        for node, pct in loss_percent.items():
+            if not 0 <= pct < 100:
+                raise NetemError(f"loss of {node} must be a percentage in [0, 100), got {pct}")
+        if self.loss_method == "nftables":
+            script = ["flush chain bridge thcloss links",
+                      *(f"add rule bridge thcloss links {rule}" for rule in self._nft_rules(loss_percent)), ""]
+            _run(["ip", "netns", "exec", self.bridge_ns, "nft", "-f", "-"], stdin="\n".join(script))
+        elif self.loss_method == "netem":
+            for (ns, dev, node), parent in self._netem_parents.items():
+                _run(["tc", "-n", ns, "qdisc", "change", "dev", dev, *parent, "handle", "10:", "netem", "loss",
+                      f"{loss_percent[node]}%", "limit", "100000"])
 
     def _wait_ready(self, timeout: float = 20.0) -> None:
         """Poll until every bridge port forwards and every eth0 is up (no fixed sleep)."""

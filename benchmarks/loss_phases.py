@@ -1,0 +1,147 @@
+"""Loss that comes and goes within one DDP run, and the step times of its lossless and lossy phases compared.
+
+The cost of 1 % loss on a DDP step is a few milliseconds, while separate runs of the same configuration
+on a shared machine differ by tens (the machine's load moves from minute to minute). Comparing runs
+therefore cannot show whether loss costs more than the time its resent datagrams need on the link
+(issue 15's criterion). Alternating the loss every second or so *within* one run, and comparing each
+lossy phase with the lossless phase just before it, cancels that drift: both phases run on the same
+machine in the same second.
+
+``LossPhases`` switches a ``Topology``'s loss on a timer (``Topology.set_loss``) and records when;
+``compare_phases`` assigns each timed step (from ``examples/train_ddp.py``'s ``step_marks``) to the phase
+it ran in wholly (steps that overlap a switch are left out) and compares the phases pair by pair.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from topologies.netem import Topology
+
+#: Resamples of the pairs for the interval of the median difference.
+BOOTSTRAP = 2000
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One change of the links' loss: ``before`` and ``after`` bracket the change (perf_counter seconds)."""
+
+    before: float
+    after: float
+    percent: float
+
+
+class LossPhases:
+    """Alternate every worker's loss between 0 and ``percent`` every ``period`` seconds, starting lossless,
+    while a run is going on (a background thread; use as a context manager)."""
+
+    def __init__(self, net: Topology, percent: float, period: float) -> None:
+        self.net, self.percent, self.period = net, percent, period
+        self.switches: list[Switch] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="loss-phases", daemon=True)
+
+    def _set(self, percent: float) -> None:
+        before = time.perf_counter()
+        self.net.set_loss({node: percent for node in self.net.cfg.loss_percent})
+        self.switches.append(Switch(before, time.perf_counter(), percent))
+
+    def _run(self) -> None:
+        lossy = False
+        while not self._stop.wait(self.period):
+            lossy = not lossy
+            self._set(self.percent if lossy else 0.0)
+
+    def __enter__(self) -> LossPhases:
+        self._set(0.0)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._set(0.0)
+
+
+#: The running counters in a step mark after its start and end (``examples/train_ddp.py``'s ``step_marks``).
+COUNTERS = ("retransmissions", "tail_s", "slot_bound_s", "window_bound_s", "encode_s", "network_s", "decode_s",
+            "hook_cpu_s", "cpu_s")
+
+
+def steps_by_phase(marks: list[list[float]], switches: list[Switch], warmup: int) -> list[list[tuple[float, ...]]]:
+    """Per phase (the time from one switch's end to the next one's start), one tuple per timed step that ran
+    wholly inside it: the step's seconds, then how much each of ``COUNTERS`` grew during the step.
+    ``marks`` are ``[start, end, *counters so far]`` per step, warm-up steps first."""
+    phases: list[list[tuple[float, ...]]] = [[] for _ in switches]
+    for i in range(warmup, len(marks)):
+        start, end, *now = marks[i]
+        before = marks[i - 1][2:] if i else [0] * len(now)
+        for j, sw in enumerate(switches):
+            nxt = switches[j + 1].before if j + 1 < len(switches) else float("inf")
+            if sw.after <= start and end <= nxt:
+                phases[j].append((end - start, *(a - b for a, b in zip(now, before, strict=True))))
+                break
+    return phases
+
+
+@dataclass(frozen=True)
+class PhaseComparison:
+    """Lossy phases against the lossless phase before each (seconds; ``pairs`` of phases compared)."""
+
+    pairs: int
+    lossless_steps: int
+    lossy_steps: int
+    lossless_s: float  #: median step of all lossless phases' steps
+    lossy_s: float  #: median step of all lossy phases' steps
+    extra_s: float  #: median over the pairs of (lossy phase's median step - lossless phase's median step)
+    low_s: float  #: 5th percentile of ``extra_s`` over resampled pairs
+    high_s: float  #: 95th percentile
+    resent_per_step: float  #: mean datagrams resent per lossy step (rank 0)
+    #: per counter of ``COUNTERS`` but the first, the median over the pairs of how much more it grew per step
+    #: in the lossy phase than in the lossless one (where the extra goes)
+    grown: dict[str, float] = field(default_factory=dict)
+
+    def resent_s(self, mtu: int, rate_mbit: float) -> float:
+        """Seconds the resent datagrams of a lossy step need on the link (each at most ``mtu`` bytes)."""
+        return self.resent_per_step * mtu * 8 / (rate_mbit * 1e6)
+
+    def verdict(self, mtu: int, rate_mbit: float) -> str:
+        """"met" when even the interval's top is within the resent bytes' time, "missed" when its bottom is
+        above it, "undecided" otherwise."""
+        resent = self.resent_s(mtu, rate_mbit)
+        return "met" if self.high_s <= resent else "missed" if self.low_s > resent else "undecided"
+
+
+def compare_phases(runs: list[tuple[list[list[float]], list[Switch], int]], seed: int = 0) -> PhaseComparison | None:
+    """Compare each lossy phase with the lossless phase just before it, over every run (``(marks,
+    switches, warmup)`` each). None when no pair of phases has timed steps on both sides."""
+    diffs: list[list[float]] = []  # per pair: step, then each counter's growth (lossy - lossless medians)
+    lossless: list[float] = []
+    lossy: list[float] = []
+    resent: list[float] = []
+    for marks, switches, warmup in runs:
+        phases = steps_by_phase(marks, switches, warmup)
+        for j, phase in enumerate(phases):
+            (lossy if switches[j].percent else lossless).extend(step[0] for step in phase)
+            if switches[j].percent:
+                resent.extend(step[1] for step in phase)
+            elif j + 1 < len(phases) and switches[j + 1].percent and phase and phases[j + 1]:
+                diffs.append([statistics.median(b) - statistics.median(a)
+                              for a, b in zip(zip(*phase, strict=True), zip(*phases[j + 1], strict=True),
+                                              strict=True)])
+    if not diffs:
+        return None
+    d = np.asarray(diffs)
+    rng = np.random.default_rng(seed)
+    boot = np.median(d[rng.integers(0, len(d), (BOOTSTRAP, len(d))), 0], axis=1)
+    med = np.median(d, axis=0)
+    return PhaseComparison(pairs=len(d), lossless_steps=len(lossless), lossy_steps=len(lossy),
+                           lossless_s=statistics.median(lossless), lossy_s=statistics.median(lossy),
+                           extra_s=float(med[0]), low_s=float(np.percentile(boot, 5)),
+                           high_s=float(np.percentile(boot, 95)), resent_per_step=statistics.fmean(resent),
+                           grown={name: float(v) for name, v in zip(COUNTERS[1:], med[2:], strict=True)})

@@ -1,0 +1,76 @@
+"""benchmarks.loss_phases: steps assigned to the loss phase they ran in, and lossy phases compared with the
+lossless phase before each (the figures are worked out by hand from the made-up steps below)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.loss_phases import COUNTERS, PhaseComparison, Switch, compare_phases, steps_by_phase
+
+
+def _switches(*starts: float) -> list[Switch]:
+    """Switches at ``starts`` (each taking 0.01 s), alternating 0 % and 1 %, lossless first."""
+    return [Switch(t, t + 0.01, 1.0 if i % 2 else 0.0) for i, t in enumerate(starts)]
+
+
+def _mark(start: float, end: float, resent: int, tail: float = 0.0) -> list[float]:
+    """A step mark: start, end, then the running counters (retransmissions, tail_s, then the others of
+    ``COUNTERS`` held at 0 here)."""
+    return [start, end, resent, tail, *[0.0] * (len(COUNTERS) - 2)]
+
+
+def test_steps_are_assigned_to_the_phase_they_ran_in_wholly() -> None:
+    """A step counts for a phase only if it started after the switch was done and ended before the next one
+    began; warm-up steps never count; each step's counters are the growth of the running counts."""
+    switches = _switches(0.0, 1.0, 2.0)
+    marks = [_mark(0.02, 0.30, 5, 0.5),     # warm-up
+             _mark(0.30, 0.60, 5, 0.5),     # phase 0, nothing resent, no tail
+             _mark(0.60, 1.005, 6, 0.6),    # overlaps the switch at 1.0: left out
+             _mark(1.005, 1.20, 9, 0.6),    # starts before the switch is done (1.01): left out
+             _mark(1.20, 1.50, 19, 0.625),  # phase 1, 10 resent, 25 ms of tail
+             _mark(1.50, 1.99, 31, 0.625),  # phase 1, 12 resent
+             _mark(2.05, 2.30, 31, 0.625)]  # phase 2 (the last, open-ended)
+    phases = steps_by_phase(marks, switches, warmup=1)
+    rest = (0.0,) * (len(COUNTERS) - 2)
+    assert phases == [[pytest.approx((0.30, 0, 0.0, *rest))],
+                      [pytest.approx((0.30, 10, 0.025, *rest)), pytest.approx((0.49, 12, 0.0, *rest))],
+                      [pytest.approx((0.25, 0, 0.0, *rest))]]
+
+
+def test_each_lossy_phase_is_compared_with_the_lossless_one_before_it() -> None:
+    """Run A drifts from 100 ms steps to 200 ms steps, its lossy phases 10 ms slower than the lossless one
+    before each (of it 2 ms more tail); run B's lossy phase is 4 ms slower. Pooled medians mix the drift in;
+    the pairs do not."""
+    run_a = ([_mark(0.1, 0.2, 0), _mark(0.2, 0.3, 0),                 # phase 0 (lossless): 100 ms steps
+              _mark(1.1, 1.21, 3, 0.002), _mark(1.3, 1.41, 6, 0.004),  # phase 1 (1 %): 110 ms, 3 resent each
+              _mark(2.1, 2.3, 6, 0.004), _mark(2.3, 2.5, 6, 0.004),   # phase 2 (lossless): 200 ms
+              _mark(3.1, 3.31, 7, 0.006), _mark(3.4, 3.61, 8, 0.008)],  # phase 3 (1 %): 210 ms, 1 resent each
+             _switches(0.0, 1.0, 2.0, 3.0), 0)
+    run_b = ([_mark(0.1, 0.25, 0), _mark(1.1, 1.254, 4)], _switches(0.0, 1.0), 0)
+    cmp = compare_phases([run_a, run_b])
+    assert cmp is not None
+    assert cmp.pairs == 3 and cmp.lossless_steps == 5 and cmp.lossy_steps == 5
+    assert cmp.extra_s == pytest.approx(0.010)  # median of 10, 10 and 4 ms
+    assert cmp.lossless_s == pytest.approx(0.150) and cmp.lossy_s == pytest.approx(0.154)
+    assert 0.004 - 1e-9 <= cmp.low_s <= cmp.extra_s <= cmp.high_s <= 0.010 + 1e-9
+    assert cmp.resent_per_step == pytest.approx((3 + 3 + 1 + 1 + 4) / 5)
+    assert cmp.grown == pytest.approx({"tail_s": 0.002, **{k: 0.0 for k in COUNTERS[2:]}})
+
+
+def test_verdict_against_the_resent_bytes_time() -> None:
+    """100 datagrams of 1,500 bytes need 1.2 ms at 1 Gbit/s: an interval wholly below is met, wholly above
+    missed, across it undecided."""
+    def cmp(low: float, high: float) -> PhaseComparison:
+        return PhaseComparison(pairs=9, lossless_steps=9, lossy_steps=9, lossless_s=0.1, lossy_s=0.1,
+                               extra_s=(low + high) / 2, low_s=low, high_s=high, resent_per_step=100)
+    assert cmp(0, 0).resent_s(1500, 1000) == pytest.approx(0.0012)
+    assert cmp(-0.002, 0.0011).verdict(1500, 1000) == "met"
+    assert cmp(0.0013, 0.004).verdict(1500, 1000) == "missed"
+    assert cmp(0.0005, 0.004).verdict(1500, 1000) == "undecided"
+
+
+def test_no_pair_of_whole_phases_gives_none() -> None:
+    """Phases too short for a whole step (every step overlaps a switch), or no lossy phase at all: None."""
+    switches = _switches(0.0, 0.1, 0.2)
+    assert compare_phases([([_mark(0.05, 0.15, 0), _mark(0.15, 0.25, 1)], switches, 0)]) is None
+    assert compare_phases([([_mark(0.02, 0.05, 0)], _switches(0.0), 0)]) is None
