@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from worker_lib.pacing import Pacer, extend_loss_runs
+from worker_lib.resend_timers import due_uses
 
 
 def pacer(**kw: object) -> Pacer:
@@ -74,9 +75,17 @@ def test_the_oldest_use_of_a_window_is_never_backed_off_for_silence() -> None:
     doubling), the rest get the silent path's backoff (6 and 192 ms with a 3 ms timeout, as above)."""
     p = pacer(min_timeout=0.001)
     p.sample(0.001)
-    assert np.allclose(p.window_rto(np.array([9, 9, 0]), silent=100.0), [0.006, 0.192, 0.003])
-    assert np.allclose(p.window_rto(np.array([9, 9]), silent=0.1), [0.006, 0.006])
-    assert p.window_rto(np.array([], np.int64), silent=100.0).size == 0
+    assert (p.backoff_cap(), p.backoff_cap(0.1), p.backoff_cap(100.0)) == (1, 1, 6)
+    sent_at, heard, tries, done = np.zeros(3), np.full(3, np.inf), np.array([9, 9, 0]), np.zeros(3, bool)
+
+    def due(now: float) -> tuple[list[int], float]:
+        out = np.empty(3, np.int64)
+        n, _, next_at = due_uses(0, 3, now, sent_at, heard, tries, done, False, p.base_rto(), p.backoff_cap(),
+                                 p.backoff_cap(100.0), p.max_timeout, -np.inf, -1, 0.0, 0.0, out)
+        return out[:n].tolist(), next_at
+
+    assert due(0.0059) == ([2], pytest.approx(0.003))  # the oldest: 6 ms; the second: 192 ms; the third: 3 ms
+    assert due(0.0061)[0] == [0, 2] and due(0.1915)[0] == [0, 2] and due(0.1925)[0] == [0, 1, 2]
 
 
 def test_the_first_timeout_doubles_once_per_timeout_not_once_per_expiry() -> None:

@@ -26,7 +26,7 @@ Random loss must cost little and congestion must still slow a worker down, so th
   at least ``SILENT_S`` (the aggregator is down or restarting) is a different thing: then one more
   doubling is allowed per doubling of the silence, up to ``DEAD_BACKOFF``, so that a window of
   retransmissions does not hammer it, and back to ``max_backoff`` at the next answer; except for the
-  oldest open use (``window_rto``). A trace of a loopback run at 10 % loss (13.8x its lossless time)
+  oldest open use (``backoff_cap``). A trace of a loopback run at 10 % loss (13.8x its lossless time)
   showed why: the workers wait for each other too, so one worker's silence is another's stall; the
   worker furthest behind, backed off for silence, resent its oldest use (complete at the aggregator,
   its answer lost) once a second while the other three waited for it, 0.7 to 4 s at a time.
@@ -179,28 +179,26 @@ class Pacer:
             return min(self.max_timeout, self.timeout * 2.0 ** self._startup_backoff)
         return min(self.max_timeout, max(self.min_timeout, RTO_FACTOR * self.rtt))
 
-    def rto(self, tries: int | np.ndarray = 0, silent: float = 0.0) -> float | np.ndarray:
-        """The timeout of a use already resent ``tries`` times (an int, or an array of counts), when
-        nothing has been answered for ``silent`` seconds."""
-        base = self.base_rto()
-        cap = self.max_backoff if self.adaptive_timeout else 0
-        dead = max(SILENT_RTOS * base, SILENT_S)
-        if self.adaptive_timeout and silent >= dead:  # one more doubling per doubling of the silence
-            cap = min(DEAD_BACKOFF, cap + 1 + int(math.log2(silent / dead)))
-        out = np.minimum(self.max_timeout, base * np.exp2(np.minimum(tries, cap)))
-        return float(out) if np.isscalar(tries) else out
-
-    def window_rto(self, tries: np.ndarray, silent: float = 0.0) -> np.ndarray:
-        """The timeouts of the open uses of a window, oldest first (``tries`` as for ``rto``): the oldest
-        is never backed off for silence. It is the use every later one waits behind, and often one that
+    def backoff_cap(self, silent: float = 0.0) -> int:
+        """Doublings a resent use's timeout may have when nothing has been answered for ``silent`` seconds:
+        ``max_backoff``, one more per doubling of a silence past the dead threshold (see the module's text).
+        The oldest open use of a window gets ``backoff_cap()`` whatever the silence
+        (``worker_lib.resend_timers``): it is the use every later one waits behind, and often one that
         the aggregator completed long ago and answers at once (its answer was lost); the other workers
         wait for this worker to move its window on. Backing it off as well made the workers of a 10 %
         loss run wait for each other's silence, seconds at a time. One datagram per timeout does not
         hammer an aggregator that is down."""
-        out = np.atleast_1d(np.asarray(self.rto(tries, silent=silent), float))
-        if out.size:
-            out[0] = self.rto(int(tries[0]))
-        return out
+        cap = self.max_backoff if self.adaptive_timeout else 0
+        dead = max(SILENT_RTOS * self.base_rto(), SILENT_S)
+        if self.adaptive_timeout and silent >= dead:  # one more doubling per doubling of the silence
+            cap = min(DEAD_BACKOFF, cap + 1 + int(math.log2(silent / dead)))
+        return cap
+
+    def rto(self, tries: int | np.ndarray = 0, silent: float = 0.0) -> float | np.ndarray:
+        """The timeout of a use already resent ``tries`` times (an int, or an array of counts), when
+        nothing has been answered for ``silent`` seconds."""
+        out = np.minimum(self.max_timeout, self.base_rto() * np.exp2(np.minimum(tries, self.backoff_cap(silent))))
+        return float(out) if np.isscalar(tries) else out
 
     def reorder_margin(self) -> float:
         """How much later than an answered use sent after it an open use may still be answered before it

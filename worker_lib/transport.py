@@ -54,6 +54,7 @@ import numpy as np
 from worker_lib.batch_io import BatchSocket, sockaddr_to_tuple
 from worker_lib.job import JobConfig
 from worker_lib.pacing import Pacer, extend_loss_runs
+from worker_lib.resend_timers import due_uses
 from worker_lib.result_intake import has_notice, take_results
 from worker_lib.udp_offload import GSO_BYTES, GSO_SEGMENTS, SOL_UDP, UDP_SEGMENT, gso_available
 from worker_lib.wire.bits import pack_bits
@@ -474,24 +475,19 @@ class Transport:
         # there, not at the send (pacing.py, "Probing"); until then only the oldest open use is timed.
         heard_since = np.full(count, math.inf)
 
-        def deadlines(base: int, nxt: int, now: float) -> tuple[np.ndarray, np.ndarray]:
-            """When each use of base..nxt-1 is due to be resent, two ways: by its timeout (window_rto)
-            after the path was next heard from after its send, or after the latest answer of a use sent
-            no later than it if it was not resent (the oldest: after its send, if nothing was heard);
-            and, for a use sent before a use already answered, by that use's round trip plus a
-            reordering margin (RACK; infinite for the others). It is due at the earlier of the two."""
-            at = sent_at[base:nxt]
-            start = at
-            if early and self.pacer.rtt is not None and at.size:
-                start = heard_since[base:nxt].copy()
-                if start[0] == math.inf:  # the oldest probes a silent path
-                    start[0] = at[0]
-            timer_at = start + self.pacer.window_rto(tries[base:nxt], silent=now - last_answer)
-            rack_at = np.full(at.size, math.inf)
-            if early and rack_use >= 0:
-                before = (at < rack_sent) | ((at == rack_sent) & (np.arange(base, nxt) < rack_use))
-                rack_at[before] = at[before] + rack_rtt + self.pacer.reorder_margin()
-            return timer_at, rack_at
+        due_buf = np.empty(count, np.int64)
+
+        def deadlines(base: int, nxt: int, now: float) -> tuple[np.ndarray, int, float]:
+            """The open uses of base..nxt-1 due to be resent at ``now`` (a view that the next call
+            overwrites), how many of them RACK found lost, and the earliest deadline of any open use
+            (``worker_lib.resend_timers``: by its timer, or by RACK for a use sent before one answered)."""
+            pacer = self.pacer
+            rack = rack_use if early else -1
+            n, n_early, next_at = due_uses(
+                base, nxt, now, sent_at, heard_since, tries, done, early and pacer.rtt is not None,
+                pacer.base_rto(), pacer.backoff_cap(), pacer.backoff_cap(now - last_answer), pacer.max_timeout,
+                rack_sent, rack, rack_rtt, pacer.reorder_margin() if rack >= 0 else 0.0, due_buf)
+            return due_buf[:n], n_early, next_at
 
         def room(base: int, nxt: int) -> int:
             """Uses that may start now: open uses (sent, unanswered, resent or not) stay within the
@@ -529,7 +525,7 @@ class Transport:
             return lost
 
         while base < count:
-            while done[base]:  # the oldest open use first: window_rto treats it apart
+            while done[base]:  # the oldest open use first: its timeout is backed off apart (pacing.py)
                 base += 1
                 if base == count:
                     return end()
@@ -547,10 +543,8 @@ class Transport:
             if n and nxt == count:
                 all_sent = time.monotonic()
             # Resend or give up what is due (each resend backs that use's timeout off, see pacing.py).
-            timer_at, rack_at = deadlines(base, nxt, now)
-            due = base + np.flatnonzero(~done[base:nxt] & (np.minimum(timer_at, rack_at) <= now))
-            # how many of them the later answers showed lost (RACK)
-            self.stats.early_retransmissions += int(np.count_nonzero(rack_at[due - base] <= now))
+            due, n_early, _ = deadlines(base, nxt, now)
+            self.stats.early_retransmissions += n_early  # resent because later answers showed them lost
             if due.size and paced:
                 burst = extend_loss_runs(runs, due[tries[due] == 0], self.pacer.burst_run())
                 self.pacer.expired(now, int(due.size), burst=burst)
@@ -581,8 +575,8 @@ class Transport:
                 base += 1
             if base >= count or room(base, nxt):
                 continue
-            due_at = np.minimum(*deadlines(base, nxt, now))[~done[base:nxt]]
-            wait = max(0.0, float(due_at.min()) - now) if due_at.size else 0.0
+            next_at = deadlines(base, nxt, now)[2]
+            wait = max(0.0, next_at - now) if next_at < math.inf else 0.0
             waited = time.monotonic()
             ready, _, _ = select.select(self.socks, [], [], max(wait, 0.0005))
             heard = last_answer
