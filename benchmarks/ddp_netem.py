@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import statistics
 import sys
@@ -166,8 +167,9 @@ def run_all(args: argparse.Namespace) -> list[dict]:
                     agg = start_aggregator(net, job_configs(args), multicast=any(m.endswith("mcast") for m in modes),
                                            extra=["--gro"] if args.gro else [])
                 for mode in args.modes:
-                    with LossPhases(net, pct, args.loss_phases) if args.loss_phases else contextlib.nullcontext() \
-                            as phases:
+                    cpu = (lambda pid=agg.pid: cpu_seconds(pid)) if agg else None
+                    with LossPhases(net, pct, args.loss_phases, cpu) if args.loss_phases else \
+                            contextlib.nullcontext() as phases:
                         row = measure(net, Run(rate, mode, pct), jobs.get(mode, 9), args, agg.pid if agg else None,
                                       tmp)
                     row["switches"] = phases.switches if phases else []
@@ -250,11 +252,11 @@ def phase_report(rows: list[dict], warmup: int) -> None:
           "rate; verdict: met when the interval's top is within it, missed when its bottom is above it; where "
           "the extra goes, medians over the pairs, lossy minus lossless per step: tail, an exchange's time after "
           "its last new use; slots, sending stopped behind the oldest open use's slot; window, sending stopped by "
-          "a full window; the hook's encode, network and decode phases; the CPU of rank 0's hook thread and of "
-          "its whole process)")
+          "a full window; the hook's encode, network and decode phases; the CPU of rank 0's hook thread, of its "
+          "whole process and of the aggregator)")
     print(f"{'rate':>8} {'loss':>5} {'mode':<12} {'pairs':>5} {'lossless':>9} {'lossy':>9} {'extra ms':>9} "
           f"{'90 % interval':>15} {'resent ms':>10} {'verdict':<9} | {'tail':>5} {'slots':>6} {'window':>6} "
-          f"{'encode':>6} {'network':>7} {'decode':>6} {'hookcpu':>7} {'cpu':>6}")
+          f"{'encode':>6} {'network':>7} {'decode':>6} {'hookcpu':>7} {'cpu':>6} {'aggcpu':>6}")
     for rate, mode, pct in sorted({(r["rate_mbit"], r["mode"], r["loss"]) for r in rows}):
         same = [r for r in rows if (r["rate_mbit"], r["mode"], r["loss"]) == (rate, mode, pct)]
         cmp = compare_phases([(r["step_marks"], r["switches"], warmup) for r in same])
@@ -265,9 +267,9 @@ def phase_report(rows: list[dict], warmup: int) -> None:
         print(f"{rate:>8g} {pct:>5g} {mode:<12} {cmp.pairs:>5} {cmp.lossless_s * 1e3:9.1f} {cmp.lossy_s * 1e3:9.1f} "
               f"{cmp.extra_s * 1e3:9.1f} {f'{cmp.low_s * 1e3:.1f} .. {cmp.high_s * 1e3:.1f}':>15} "
               f"{cmp.resent_s(mtu, rate) * 1e3:10.2f} {cmp.verdict(mtu, rate):<9} | "
-              + " ".join(f"{cmp.grown[k] * 1e3:{w}.1f}" for k, w in (
+              + " ".join(f"{cmp.grown.get(k, math.nan) * 1e3:{w}.1f}" for k, w in (
                   ("tail_s", 5), ("slot_bound_s", 6), ("window_bound_s", 6), ("encode_s", 6), ("network_s", 7),
-                  ("decode_s", 6), ("hook_cpu_s", 7), ("cpu_s", 6))))
+                  ("decode_s", 6), ("hook_cpu_s", 7), ("cpu_s", 6), ("aggregator_cpu_s", 6))))
 
 
 def plot(rows: list[dict], path: Path) -> None:

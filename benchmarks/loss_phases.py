@@ -14,9 +14,11 @@ it ran in wholly (steps that overlap a switch are left out) and compares the pha
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,27 +31,32 @@ BOOTSTRAP = 2000
 
 @dataclass(frozen=True)
 class Switch:
-    """One change of the links' loss: ``before`` and ``after`` bracket the change (perf_counter seconds)."""
+    """One change of the links' loss: ``before`` and ``after`` bracket the change (perf_counter seconds);
+    ``cpu``: the aggregator's CPU seconds so far, read just before (nan where not measured)."""
 
     before: float
     after: float
     percent: float
+    cpu: float = math.nan
 
 
 class LossPhases:
     """Alternate every worker's loss between 0 and ``percent`` every ``period`` seconds, starting lossless,
-    while a run is going on (a background thread; use as a context manager)."""
+    while a run is going on (a background thread; use as a context manager). ``cpu``, if given, reads the
+    aggregator's CPU seconds so far, at every switch."""
 
-    def __init__(self, net: Topology, percent: float, period: float) -> None:
-        self.net, self.percent, self.period = net, percent, period
+    def __init__(self, net: Topology, percent: float, period: float,
+                 cpu: Callable[[], float] | None = None) -> None:
+        self.net, self.percent, self.period, self.cpu = net, percent, period, cpu
         self.switches: list[Switch] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="loss-phases", daemon=True)
 
     def _set(self, percent: float) -> None:
+        cpu = self.cpu() if self.cpu else math.nan
         before = time.perf_counter()
         self.net.set_loss({node: percent for node in self.net.cfg.loss_percent})
-        self.switches.append(Switch(before, time.perf_counter(), percent))
+        self.switches.append(Switch(before, time.perf_counter(), percent, cpu))
 
     def _run(self) -> None:
         lossy = False
@@ -103,7 +110,8 @@ class PhaseComparison:
     high_s: float  #: 95th percentile
     resent_per_step: float  #: mean datagrams resent per lossy step (rank 0)
     #: per counter of ``COUNTERS`` but the first, the median over the pairs of how much more it grew per step
-    #: in the lossy phase than in the lossless one (where the extra goes)
+    #: in the lossy phase than in the lossless one (where the extra goes); "aggregator_cpu_s" too where the
+    #: switches read it (the difference of its CPU per second of the two phases, times the lossy step)
     grown: dict[str, float] = field(default_factory=dict)
 
     def resent_s(self, mtu: int, rate_mbit: float) -> float:
@@ -131,17 +139,28 @@ def compare_phases(runs: list[tuple[list[list[float]], list[Switch], int]], seed
             if switches[j].percent:
                 resent.extend(step[1] for step in phase)
             elif j + 1 < len(phases) and switches[j + 1].percent and phase and phases[j + 1]:
-                diffs.append([statistics.median(b) - statistics.median(a)
-                              for a, b in zip(zip(*phase, strict=True), zip(*phases[j + 1], strict=True),
-                                              strict=True)])
+                pair = [statistics.median(b) - statistics.median(a)
+                        for a, b in zip(zip(*phase, strict=True), zip(*phases[j + 1], strict=True), strict=True)]
+                diffs.append([*pair, _cpu_rate(switches, j + 1) - _cpu_rate(switches, j)])
     if not diffs:
         return None
     d = np.asarray(diffs)
     rng = np.random.default_rng(seed)
     boot = np.median(d[rng.integers(0, len(d), (BOOTSTRAP, len(d))), 0], axis=1)
-    med = np.median(d, axis=0)
+    med = np.median(d[:, :-1], axis=0)
+    agg = d[:, -1][~np.isnan(d[:, -1])]
+    grown = {name: float(v) for name, v in zip(COUNTERS[1:], med[2:], strict=True)}
+    if agg.size:
+        grown["aggregator_cpu_s"] = float(np.median(agg)) * statistics.median(lossy)
     return PhaseComparison(pairs=len(d), lossless_steps=len(lossless), lossy_steps=len(lossy),
                            lossless_s=statistics.median(lossless), lossy_s=statistics.median(lossy),
                            extra_s=float(med[0]), low_s=float(np.percentile(boot, 5)),
                            high_s=float(np.percentile(boot, 95)), resent_per_step=statistics.fmean(resent),
-                           grown={name: float(v) for name, v in zip(COUNTERS[1:], med[2:], strict=True)})
+                           grown=grown)
+
+
+def _cpu_rate(switches: list[Switch], j: int) -> float:
+    """The aggregator's CPU seconds per second during phase ``j`` (nan without the next switch or readings)."""
+    if j + 1 >= len(switches):
+        return math.nan
+    return (switches[j + 1].cpu - switches[j].cpu) / (switches[j + 1].before - switches[j].before)

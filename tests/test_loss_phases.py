@@ -3,14 +3,18 @@ lossless phase before each (the figures are worked out by hand from the made-up 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from benchmarks.loss_phases import COUNTERS, PhaseComparison, Switch, compare_phases, steps_by_phase
 
 
-def _switches(*starts: float) -> list[Switch]:
-    """Switches at ``starts`` (each taking 0.01 s), alternating 0 % and 1 %, lossless first."""
-    return [Switch(t, t + 0.01, 1.0 if i % 2 else 0.0) for i, t in enumerate(starts)]
+def _switches(*starts: float, cpu: tuple[float, ...] = ()) -> list[Switch]:
+    """Switches at ``starts`` (each taking 0.01 s), alternating 0 % and 1 %, lossless first; ``cpu``: the
+    aggregator's CPU seconds read at each (none: not measured)."""
+    cpu = cpu or (math.nan,) * len(starts)
+    return [Switch(t, t + 0.01, 1.0 if i % 2 else 0.0, c) for i, (t, c) in enumerate(zip(starts, cpu, strict=True))]
 
 
 def _mark(start: float, end: float, resent: int, tail: float = 0.0) -> list[float]:
@@ -40,12 +44,13 @@ def test_steps_are_assigned_to_the_phase_they_ran_in_wholly() -> None:
 def test_each_lossy_phase_is_compared_with_the_lossless_one_before_it() -> None:
     """Run A drifts from 100 ms steps to 200 ms steps, its lossy phases 10 ms slower than the lossless one
     before each (of it 2 ms more tail); run B's lossy phase is 4 ms slower. Pooled medians mix the drift in;
-    the pairs do not."""
+    the pairs do not. The aggregator used 0.5 s of CPU per second in A's first phase, 0.6 in its second
+    (its last phase has no end reading; run B no readings): 0.1 s/s more, times the lossy median step."""
     run_a = ([_mark(0.1, 0.2, 0), _mark(0.2, 0.3, 0),                 # phase 0 (lossless): 100 ms steps
               _mark(1.1, 1.21, 3, 0.002), _mark(1.3, 1.41, 6, 0.004),  # phase 1 (1 %): 110 ms, 3 resent each
               _mark(2.1, 2.3, 6, 0.004), _mark(2.3, 2.5, 6, 0.004),   # phase 2 (lossless): 200 ms
               _mark(3.1, 3.31, 7, 0.006), _mark(3.4, 3.61, 8, 0.008)],  # phase 3 (1 %): 210 ms, 1 resent each
-             _switches(0.0, 1.0, 2.0, 3.0), 0)
+             _switches(0.0, 1.0, 2.0, 3.0, cpu=(0.0, 0.5, 1.1, 1.6)), 0)
     run_b = ([_mark(0.1, 0.25, 0), _mark(1.1, 1.254, 4)], _switches(0.0, 1.0), 0)
     cmp = compare_phases([run_a, run_b])
     assert cmp is not None
@@ -54,7 +59,8 @@ def test_each_lossy_phase_is_compared_with_the_lossless_one_before_it() -> None:
     assert cmp.lossless_s == pytest.approx(0.150) and cmp.lossy_s == pytest.approx(0.154)
     assert 0.004 - 1e-9 <= cmp.low_s <= cmp.extra_s <= cmp.high_s <= 0.010 + 1e-9
     assert cmp.resent_per_step == pytest.approx((3 + 3 + 1 + 1 + 4) / 5)
-    assert cmp.grown == pytest.approx({"tail_s": 0.002, **{k: 0.0 for k in COUNTERS[2:]}})
+    assert cmp.grown == pytest.approx({"tail_s": 0.002, **{k: 0.0 for k in COUNTERS[2:]},
+                                       "aggregator_cpu_s": 0.1 * 0.154})
 
 
 def test_verdict_against_the_resent_bytes_time() -> None:
