@@ -156,7 +156,8 @@ def run_all(args: argparse.Namespace) -> list[dict]:
         tmp = Path(tmpd)
         for rate, _, pct in ((r, k, x) for r in args.rates for k in range(args.repeats) for x in losses):
             # with any lossy rate, the lossless runs pass the same loss rules dropping nothing (their CPU)
-            loss = {f"w{i}": 0.0 if args.loss_phases else pct for i in range(args.workers)} if any(args.loss) else {}
+            lossy = any(args.loss) or args.loss_phases
+            loss = {f"w{i}": 0.0 if args.loss_phases else pct for i in range(args.workers)} if lossy else {}
             cfg = NetemConfig(workers=args.workers, rate_mbit=rate, qdisc=args.qdisc, loss_percent=loss,
                               loss_udp_only=args.loss_udp_only, prefix="thcbench", mtu=args.mtu)
             with Topology(cfg) as net:
@@ -247,9 +248,9 @@ def loss_report(rows: list[dict]) -> None:
 def phase_report(rows: list[dict], warmup: int) -> None:
     """Per rate, mode and loss, the lossy phases against the lossless phase before each (``--loss-phases``)."""
     print("\nloss phases within each run (steps that overlap a switch left out; extra: median over the pairs of "
-          "adjacent lossless and lossy phases of the difference of their median steps, with its 90 % bootstrap "
-          "interval; resent: rank 0's retransmitted datagrams per lossy step, at most MTU bytes each, at the link "
-          "rate; verdict: met when the interval's top is within it, missed when its bottom is above it; where "
+          "adjacent lossless and lossy phases of the difference of their median steps, with its 90 % interval "
+          "(order statistics); resent: rank 0's retransmitted datagrams per lossy step, at most MTU bytes each, at "
+          "the link rate; verdict: met when the interval's top is within it, missed when its bottom is above it; where "
           "the extra goes, medians over the pairs, lossy minus lossless per step: tail, an exchange's time after "
           "its last new use; slots, sending stopped behind the oldest open use's slot; window, sending stopped by "
           "a full window; the hook's encode, network and decode phases; the CPU of rank 0's hook thread, of its "
@@ -343,7 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-phases", type=float_in(0.1, 3600), metavar="SECONDS",
                    help="with --loss 0,P: one run per repeat whose loss switches between 0 and P %% every SECONDS, "
                         "each lossy phase compared with the lossless one before it (cancels the machine's drift "
-                        "between runs; give enough --steps for several phases)")
+                        "between runs; give enough --steps for several phases); with --loss 0 a control run whose "
+                        "phases differ only in name")
     p.add_argument("--repeats", type=int_in(1, 1000), default=1,
                    help="runs of every configuration, 1..1000 (medians are reported)")
     p.add_argument("--gro", action="store_true", help="workers and aggregator read runs that arrive whole as one "
@@ -387,8 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.steps <= args.warmup:
         ap.error(f"--steps ({args.steps}) must be more than --warmup ({args.warmup}): no step would be timed")
-    if args.loss_phases and (len(args.loss) != 2 or min(args.loss) != 0 or max(args.loss) == 0):
-        ap.error(f"--loss-phases needs --loss 0,P with P > 0 (the two phases), got --loss {args.loss}")
+    if args.loss_phases and (min(args.loss) != 0 or len(args.loss) > 2):
+        ap.error(f"--loss-phases needs --loss 0,P (the two phases; 0 alone for a control run), got --loss {args.loss}")
     check_common(ap, args, lambda: job_configs(args))
     rows = run_as_root("ddp_netem", lambda: run_all(args))
     if isinstance(rows, int):

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
-from benchmarks.loss_phases import COUNTERS, PhaseComparison, Switch, compare_phases, steps_by_phase
+from benchmarks.loss_phases import COUNTERS, PhaseComparison, Switch, compare_phases, median_interval, steps_by_phase
 
 
 def _switches(*starts: float, cpu: tuple[float, ...] = ()) -> list[Switch]:
     """Switches at ``starts`` (each taking 0.01 s), alternating 0 % and 1 %, lossless first; ``cpu``: the
     aggregator's CPU seconds read at each (none: not measured)."""
     cpu = cpu or (math.nan,) * len(starts)
-    return [Switch(t, t + 0.01, 1.0 if i % 2 else 0.0, c) for i, (t, c) in enumerate(zip(starts, cpu, strict=True))]
+    return [Switch(t, t + 0.01, 1.0 if i % 2 else 0.0, bool(i % 2), c)
+            for i, (t, c) in enumerate(zip(starts, cpu, strict=True))]
 
 
 def _mark(start: float, end: float, resent: int, tail: float = 0.0) -> list[float]:
@@ -57,10 +59,19 @@ def test_each_lossy_phase_is_compared_with_the_lossless_one_before_it() -> None:
     assert cmp.pairs == 3 and cmp.lossless_steps == 5 and cmp.lossy_steps == 5
     assert cmp.extra_s == pytest.approx(0.010)  # median of 10, 10 and 4 ms
     assert cmp.lossless_s == pytest.approx(0.150) and cmp.lossy_s == pytest.approx(0.154)
-    assert 0.004 - 1e-9 <= cmp.low_s <= cmp.extra_s <= cmp.high_s <= 0.010 + 1e-9
+    assert (cmp.low_s, cmp.high_s) == (-math.inf, math.inf)  # 3 pairs are too few for a 90 % interval
     assert cmp.resent_per_step == pytest.approx((3 + 3 + 1 + 1 + 4) / 5)
     assert cmp.grown == pytest.approx({"tail_s": 0.002, **{k: 0.0 for k in COUNTERS[2:]},
                                        "aggregator_cpu_s": 0.1 * 0.154})
+
+
+def test_the_interval_of_the_median_is_made_of_order_statistics() -> None:
+    """For 20 values, P(Bin(20, 1/2) <= 5) = 0.0207 and P(<= 6) = 0.0577: the 90 % interval runs from the
+    6th to the 15th smallest; for 5 values P(<= 0) = 0.031 and P(<= 1) = 0.19: from the 1st to the 5th; for
+    4 values P(0) = 0.0625 > 0.05: no interval. Order, not position, counts."""
+    assert median_interval(np.arange(20.0, 0.0, -1.0)) == (6.0, 15.0)
+    assert median_interval(np.array([5.0, 1.0, 3.0, 2.0, 4.0])) == (1.0, 5.0)
+    assert median_interval(np.array([1.0, 2.0, 3.0, 4.0])) == (-math.inf, math.inf)
 
 
 def test_verdict_against_the_resent_bytes_time() -> None:
