@@ -17,6 +17,10 @@ the aggregator's CPU time per step, and the time the bytes need on the link at t
 
     sudo .venv/bin/python -m benchmarks.ddp_netem --rates 1000,10000 --steps 6 --plot ddp_netem.png  # repo root
 
+With ``--loss 0,1`` it compares lossless and 1 % lossy links, by separate runs, or with ``--loss-phases
+SECONDS`` within each run (``benchmarks.loss_phases``: the loss switches every SECONDS; the figure that
+settles whether a lossy step costs more than its resent bytes' wire time on a machine whose load drifts).
+
 Needs root (exits with the reason otherwise). All namespaces are removed at the end, also on errors.
 """
 

@@ -7,6 +7,8 @@ the host's namespace. Every link is shaped in both directions (tc ``tbf`` or ``h
 in each direction: with tc ``netem`` where the kernel has it, otherwise with nftables rules
 ``numgen random mod 100 < N drop`` on the node's bridge port, inside the bridge's namespace (the
 development machines' kernel has no netem). Multicast floods on the bridge, so IP multicast results reach every node.
+``set_loss`` changes the loss of a running topology (a benchmark alternates lossless and lossy phases
+within one run with it: ``benchmarks/loss_phases.py``).
 
 Everything is created by ``up()`` and removed by ``down()`` (the context manager calls both, and
 ``down`` also runs after a failed ``up``); the processes started with ``popen`` are killed first.
