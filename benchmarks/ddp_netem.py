@@ -160,8 +160,8 @@ def run_all(args: argparse.Namespace) -> list[dict]:
         tmp = Path(tmpd)
         for rate, _, pct in ((r, k, x) for r in args.rates for k in range(args.repeats) for x in losses):
             # with any lossy rate, the lossless runs pass the same loss rules dropping nothing (their CPU)
-            lossy = any(args.loss) or args.loss_phases
-            loss = {f"w{i}": 0.0 if args.loss_phases else pct for i in range(args.workers)} if lossy else {}
+            rules = any(args.loss) or args.loss_phases  # (the phases start lossless and switch the rules)
+            loss = {f"w{i}": 0.0 if args.loss_phases else pct for i in range(args.workers)} if rules else {}
             cfg = NetemConfig(workers=args.workers, rate_mbit=rate, qdisc=args.qdisc, loss_percent=loss,
                               loss_udp_only=args.loss_udp_only, prefix="thcbench", mtu=args.mtu)
             with Topology(cfg) as net:
