@@ -18,8 +18,8 @@ network; each rank draws its own batches), so it needs no data set. ``--task mni
 own shard, and rank 0 measures the test accuracy every ``--eval-every`` steps (outside the timed
 steps: ``benchmarks/time_to_accuracy.py`` plots it against the training time). At the end rank 0
 prints the final loss (mean over ranks) and whether all ranks hold identical parameters;
-``--json-out`` writes the losses, step times, accuracies, where the time went, and the hook's
-counters.
+``--json-out`` writes the losses, step times, accuracies, where the time went, the hook's
+counters, and per step its start, end and rank 0's counters so far (``step_marks``).
 """
 
 from __future__ import annotations
