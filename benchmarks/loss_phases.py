@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from topologies.netem import Topology
+from topologies.netem import NetemError, Topology
 
 #: Confidence of the interval given for the median difference.
 LEVEL = 0.9
@@ -53,6 +53,7 @@ class LossPhases:
         self.net, self.percent, self.period, self.cpu = net, percent, period, cpu
         self.switches: list[Switch] = []
         self._stop = threading.Event()
+        self._error: Exception | None = None  #: why the switching stopped, raised at the end of the run
         self._thread = threading.Thread(target=self._run, name="loss-phases", daemon=True)
 
     def _set(self, lossy: bool) -> None:
@@ -64,9 +65,12 @@ class LossPhases:
 
     def _run(self) -> None:
         lossy = False
-        while not self._stop.wait(self.period):
-            lossy = not lossy
-            self._set(lossy)
+        try:
+            while not self._stop.wait(self.period):
+                lossy = not lossy
+                self._set(lossy)
+        except Exception as exc:  # NetemError, or OSError from nft or tc: raised at the end of the run
+            self._error = exc
 
     def __enter__(self) -> LossPhases:
         self._set(False)
@@ -76,7 +80,11 @@ class LossPhases:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self._set(False)
+        try:
+            self._set(False)
+        finally:
+            if self._error is not None:  # the phases stopped switching part-way: the run's labels are wrong
+                raise NetemError(f"the loss phases stopped switching: {self._error}") from self._error
 
 
 #: The running counters in a step mark after its start and end (``examples/train_ddp.py``'s ``step_marks``).

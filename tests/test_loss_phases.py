@@ -4,11 +4,22 @@ lossless phase before each (the figures are worked out by hand from the made-up 
 from __future__ import annotations
 
 import math
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from benchmarks.loss_phases import COUNTERS, PhaseComparison, Switch, compare_phases, median_interval, steps_by_phase
+from benchmarks.loss_phases import (
+    COUNTERS,
+    LossPhases,
+    PhaseComparison,
+    Switch,
+    compare_phases,
+    median_interval,
+    steps_by_phase,
+)
+from topologies.netem import NetemError
 
 
 def _switches(*starts: float, cpu: tuple[float, ...] = ()) -> list[Switch]:
@@ -91,3 +102,37 @@ def test_no_pair_of_whole_phases_gives_none() -> None:
     switches = _switches(0.0, 0.1, 0.2)
     assert compare_phases([([_mark(0.05, 0.15, 0), _mark(0.15, 0.25, 1)], switches, 0)]) is None
     assert compare_phases([([_mark(0.02, 0.05, 0)], _switches(0.0), 0)]) is None
+
+
+class _FakeNet:
+    """What LossPhases uses of a Topology: the configured loss and set_loss (which fails from call ``fail_at``)."""
+
+    def __init__(self, fail_at: int = 10**9) -> None:
+        self.cfg = SimpleNamespace(loss_percent={"w0": 0.0, "w1": 0.0})
+        self.calls: list[dict[str, float]] = []
+        self.fail_at = fail_at
+
+    def set_loss(self, loss: dict[str, float]) -> None:
+        if len(self.calls) >= self.fail_at:
+            raise NetemError("nft: no such table")
+        self.calls.append(dict(loss))
+
+
+def test_phases_alternate_from_lossless_and_end_lossless() -> None:
+    """Switches alternate lossless / lossy (every worker at once), each bracketed in time and read for the
+    aggregator's CPU; the run ends with the loss off."""
+    net = _FakeNet()
+    with LossPhases(net, 2.0, 0.02, cpu=lambda: 1.5) as phases:  # type: ignore[arg-type]
+        time.sleep(0.15)
+    sw = phases.switches
+    assert len(sw) >= 4 and [s.lossy for s in sw[:4]] == [False, True, False, True]
+    assert all(s.percent == (2.0 if s.lossy else 0.0) and s.before <= s.after and s.cpu == 1.5 for s in sw)
+    assert not sw[-1].lossy and net.calls[-1] == {"w0": 0.0, "w1": 0.0} and net.calls[1] == {"w0": 2.0, "w1": 2.0}
+
+
+def test_phases_that_stop_switching_fail_the_run() -> None:
+    """A switch that fails part-way (nft gone) is not swallowed: the run ends with a NetemError saying so,
+    since its later steps would carry the wrong labels."""
+    with pytest.raises(NetemError, match="stopped switching: nft: no such table"):
+        with LossPhases(_FakeNet(fail_at=2), 1.0, 0.01):  # type: ignore[arg-type]
+            time.sleep(0.1)
