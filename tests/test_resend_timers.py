@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from worker_lib.pacing import Pacer
 from worker_lib.resend_timers import due_uses
 
 
@@ -66,3 +67,24 @@ def test_a_window_with_nothing_open() -> None:
                     0.5, 3, 0.001, 0.0, out) == (0, 0, np.inf)
     assert due_uses(2, 2, 1.0, np.zeros(4), np.zeros(4), np.zeros(4, np.int64), ~done, True, 0.01, 1, 1, 1.0,
                     0.5, 3, 0.001, 0.0, out) == (0, 0, np.inf)
+
+
+@pytest.mark.parametrize("silent", [0.0, 0.3, 5.0, 100.0])
+def test_each_use_waits_the_pacers_timeout(silent: float) -> None:
+    """The kernel's timer is Pacer.rto: a window of uses sent at 0 with 0..8 resends each falls due, use by
+    use, at rto(tries, silent), the oldest at rto(tries) whatever the silence (pacing.py's two rules in one
+    place: the cap and the oldest's exception)."""
+    p = Pacer(timeout=0.05, max_timeout=0.2, max_window=64, initial_window=8, min_timeout=0.001)
+    p.sample_many(np.full(8, 0.002))
+    tries = np.arange(9, dtype=np.int64)
+    out = np.empty(9, np.int64)
+    for i in range(9):
+        done = np.ones(9, bool)
+        done[i] = False
+        base = i if i == 0 else 0  # use 0 open and oldest; otherwise use 0 done, so i is not the oldest
+        if i:
+            done[0] = True
+        _, _, next_at = due_uses(base, 9, 0.0, np.zeros(9), np.full(9, np.inf), tries, done, False, p.base_rto(),
+                                 p.backoff_cap(), p.backoff_cap(silent), p.max_timeout, -np.inf, -1, 0.0, 0.0, out)
+        want = p.rto(int(tries[i])) if i == 0 else p.rto(int(tries[i]), silent=silent)
+        assert next_at == want, (i, next_at, want)

@@ -196,7 +196,8 @@ class Pacer:
 
     def rto(self, tries: int | np.ndarray = 0, silent: float = 0.0) -> float | np.ndarray:
         """The timeout of a use already resent ``tries`` times (an int, or an array of counts), when
-        nothing has been answered for ``silent`` seconds."""
+        nothing has been answered for ``silent`` seconds. The transport computes the same per window, in
+        ``worker_lib.resend_timers.due_uses`` (tests/test_resend_timers.py holds the two together)."""
         out = np.minimum(self.max_timeout, self.base_rto() * np.exp2(np.minimum(tries, self.backoff_cap(silent))))
         return float(out) if np.isscalar(tries) else out
 

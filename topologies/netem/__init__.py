@@ -61,6 +61,11 @@ def require_root() -> str | None:
     return None
 
 
+def loss_problem(node: str, pct: float) -> str | None:
+    """Why ``pct`` is not a loss rate ``node`` can be given (None if it can): a percentage in [0, 100)."""
+    return None if 0 <= pct < 100 else f"loss of {node} must be a percentage in [0, 100), got {pct}"
+
+
 @dataclass(frozen=True)
 class NetemConfig:
     """The emulated network: nodes, addressing, link rate, loss and queueing."""
@@ -89,8 +94,8 @@ class NetemConfig:
         for node, pct in self.loss_percent.items():
             if node not in self.nodes:
                 raise ValueError(f"loss for unknown node {node!r}; nodes are {list(self.nodes)}")
-            if not 0 <= pct < 100:
-                raise ValueError(f"loss of {node} must be a percentage in [0, 100), got {pct}")
+            if (problem := loss_problem(node, pct)) is not None:
+                raise ValueError(problem)
         if self.loss_method not in ("auto", "netem", "nftables"):
             raise ValueError(f"loss_method must be auto, netem or nftables, got {self.loss_method!r}")
         if self.qdisc not in ("tbf", "htb"):
@@ -272,8 +277,8 @@ class Topology:
             raise NetemError(f"set_loss needs exactly the nodes built with loss, {sorted(self.cfg.loss_percent)}; "
                              f"got {sorted(loss_percent)}")
         for node, pct in loss_percent.items():
-            if not 0 <= pct < 100:
-                raise NetemError(f"loss of {node} must be a percentage in [0, 100), got {pct}")
+            if (problem := loss_problem(node, pct)) is not None:
+                raise NetemError(problem)
         if self.loss_method == "nftables":
             script = ["flush chain bridge thcloss links",
                       *(f"add rule bridge thcloss links {rule}" for rule in self._nft_rules(loss_percent)), ""]
