@@ -33,21 +33,24 @@ def test_pack_matches_bitstring_reference_and_round_trips(bits, data):
     n = data.draw(st.integers(1, 200))
     z = data.draw(st.lists(st.integers(0, (1 << bits) - 1), min_size=n, max_size=n))
     t = torch.tensor(z, dtype=torch.uint8)
-    packed = pack_indices(t, bits)
-    assert packed.numel() == packed_size(n, bits)
-    assert bytes(packed.numpy()) == reference_pack(z, bits)
-    assert unpack_indices(packed, bits, n).tolist() == z
+    for compiled in (True, False):  # the CPU's compiled passes and the torch kernels of every device
+        packed = pack_indices(t, bits, compiled=compiled)
+        assert packed.numel() == packed_size(n, bits)
+        assert bytes(packed.numpy()) == reference_pack(z, bits)
+        assert unpack_indices(packed, bits, n, compiled=compiled).tolist() == z
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_pack_with_buffers(bits):
     n = 1024
     z = torch.randint(0, 1 << bits, (n,), dtype=torch.uint8)
-    out = torch.empty(packed_size(n, bits), dtype=torch.uint8)
-    assert pack_indices(z, bits, out=out) is out
-    back = torch.empty(n, dtype=torch.uint8)
-    assert unpack_indices(out, bits, n, out=back) is back
-    assert torch.equal(back, z)
+    for compiled in (True, False):
+        out = torch.empty(packed_size(n, bits), dtype=torch.uint8)
+        assert pack_indices(z, bits, out=out, compiled=compiled) is out
+        assert bytes(out.numpy()) == reference_pack(z.tolist(), bits)
+        back = torch.empty(n, dtype=torch.uint8)
+        assert unpack_indices(out, bits, n, out=back, compiled=compiled) is back
+        assert torch.equal(back, z)
 
 
 def test_pack_errors():

@@ -52,23 +52,26 @@ def quantize_into(x: np.ndarray, scale: np.float32, shift: np.float32, granulari
     Two loops per block of ``BLOCK`` coordinates: the grid, the cells and the uniforms first, which LLVM
     vectorises, then the table's slope and offset by cell and the rounding. In one loop the lookups by
     cell kept the whole pass scalar (LLVM does not emit gathers for this CPU): 15.2 against 11.7 ms for
-    2^22 coordinates here, the same indices."""
+    2^22 coordinates here, the same indices. The cells are unsigned and each block works on slices, so
+    that no index needs numba's wrap-around of negative indices: with it, every lookup of the scalar
+    second loop carried a sign test and a select of the base address (2.7 against 1.7 ms for 2^20)."""
     g = np.float32(granularity)
     zero = np.float32(0.0)
     last, cap = np.int32(granularity - 1), np.int32(top)
     ys = np.empty(BLOCK, np.float32)
-    cells = np.empty(BLOCK, np.int32)
+    cells = np.empty(BLOCK, np.uint32)
     us = np.empty(BLOCK, np.float32)
     for s in range(0, x.size, BLOCK):
         m = min(BLOCK, x.size - s)
+        xs, os = x[s:s + m], out[s:s + m]
         for j in range(m):
-            y = min(max(x[s + j] * scale + shift, zero), g)
+            y = min(max(xs[j] * scale + shift, zero), g)
             ys[j] = y
-            cells[j] = min(np.int32(y), last)
+            cells[j] = np.uint32(min(np.int32(y), last))
             us[j] = _uniform(key, s + j)
         for j in range(m):
             c = cells[j]
-            out[s + j] = min(np.int32(ys[j] * slope[c] + offset[c] + us[j]), cap)
+            os[j] = min(np.int32(ys[j] * slope[c] + offset[c] + us[j]), cap)
 
 
 @njit(cache=True)

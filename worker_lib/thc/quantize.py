@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from worker_lib.thc.table import LookupTable
+from worker_lib.wire.bits import pack_whole_into, unpack_whole_into
 
 
 class UniformSource:
@@ -130,11 +131,14 @@ def packed_size(count: int, bits: int) -> int:
     return ((count + 7) // 8) * bits
 
 
-def pack_indices(z: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def pack_indices(z: torch.Tensor, bits: int, out: torch.Tensor | None = None, *,
+                 compiled: bool = True) -> torch.Tensor:
     """Pack b-bit indices into bytes, most significant bits first (index 0 in the top bits of byte 0).
 
     MSB-first is the order in which a P4 parser extracts consecutive bit<b> fields. The index count is
-    padded with zeros to a multiple of 8 so that every b fits a whole number of bytes.
+    padded with zeros to a multiple of 8 so that every b fits a whole number of bytes. On the CPU, b = 1,
+    2 and 4 pack in one compiled pass (``worker_lib.wire.bits``; 0.1 against 1 ms for 2^20 indices);
+    ``compiled=False`` runs the torch kernels that every device has (for tests and comparisons).
     """
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be in 1..8, got {bits}")
@@ -149,6 +153,9 @@ def pack_indices(z: torch.Tensor, bits: int, out: torch.Tensor | None = None) ->
         raise ValueError(f"out must be a uint8 tensor of {size} bytes")
     if bits == 8:
         return out.copy_(z)
+    if compiled and z.device.type == "cpu" and 8 % bits == 0 and out.is_contiguous():
+        pack_whole_into(z.contiguous().numpy(), bits, out.numpy())
+        return out
     if 8 % bits == 0:  # Horner: byte = ((z0 * 2^b + z1) * 2^b + z2) ...
         groups = z.view(-1, 8 // bits)
         out.copy_(groups[:, 0])
@@ -163,8 +170,10 @@ def pack_indices(z: torch.Tensor, bits: int, out: torch.Tensor | None = None) ->
     return out.copy_(((word[:, None] >> shifts) & 0xFF).reshape(-1))
 
 
-def unpack_indices(buf: torch.Tensor, bits: int, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse of pack_indices: the first `count` indices (uint8, into ``out`` if given)."""
+def unpack_indices(buf: torch.Tensor, bits: int, count: int, out: torch.Tensor | None = None, *,
+                   compiled: bool = True) -> torch.Tensor:
+    """Inverse of pack_indices: the first `count` indices (uint8, into ``out`` if given); ``compiled`` as
+    for ``pack_indices``."""
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be in 1..8, got {bits}")
     buf = buf.reshape(-1)
@@ -181,6 +190,10 @@ def unpack_indices(buf: torch.Tensor, bits: int, count: int, out: torch.Tensor |
     mask = (1 << bits) - 1
     if 8 % bits == 0:
         per = 8 // bits
+        if compiled and buf.device.type == "cpu" and (out is None or (out.numel() == full and out.is_contiguous())):
+            whole = torch.empty(full, dtype=torch.uint8) if out is None else out
+            unpack_whole_into(buf[:size].contiguous().numpy(), bits, whole.numpy())
+            return whole[:count] if out is None else out
         shifts = torch.arange(8 - bits, -1, -bits, device=buf.device, dtype=torch.uint8)
         if out is not None and out.numel() == full:
             target = out.view(-1, per)
