@@ -76,6 +76,11 @@ class WorkerAddresses:
             host, _, port = cfg.multicast.rpartition(":")
             self.group = np.frombuffer(sockaddr_in(host, int(port)), np.uint8)[None, :]
         self._known_addr: np.ndarray | None = None
+        self._at: list[bytes | None] = [None] * cfg.workers  # each known address as bytes, for is_at
+
+    def is_at(self, worker: int, address: np.ndarray) -> bool:
+        """Whether worker ``worker`` is known at ``address`` (a sockaddr_in row): one bytes comparison."""
+        return self._at[worker] == address.tobytes()
 
     def known_addresses(self) -> np.ndarray:
         """The learned addresses, (known workers, 16): kept until the next ``learn`` changes one."""
@@ -87,6 +92,7 @@ class WorkerAddresses:
         """Worker ``worker`` is at ``address`` (a sockaddr_in row)."""
         self.addr[worker] = address
         self.known[worker] = True
+        self._at[worker] = self.addr[worker].tobytes()
         self._known_addr = None
 
 
@@ -111,7 +117,7 @@ class AddressBook:
         if rows.size == 1:  # the common batch on a lightly loaded link: scalars, no set operations
             tab = self.jobs.get(int(jobs[0]))
             r, w = int(rows[0]), int(workers[0])
-            if tab is not None and not (tab.known[w] and np.array_equal(tab.addr[w], rx_addr[r])):
+            if tab is not None and not tab.is_at(w, rx_addr[r]):
                 self._moves[int(jobs[0])] = (tab.addr.copy(), tab.known.copy(), rows, workers)
                 tab.learn(w, rx_addr[r])
             return
@@ -242,14 +248,20 @@ class Shard:
         if self.pcap is not None:
             for i in range(n):
                 self.pcap.write(sockaddr_to_tuple(io.rx_addr[i]), self.local, io.rx[i, : io.rx_len[i]].tobytes())
-        is_dar = (io.rx[:n, 1] == _DAR_DATA) & (io.rx_len[:n] >= 2)
-        if not is_dar.any():
+        if n == 1:  # the common batch on a lightly loaded link, or a lone resend: scalars
+            any_dar = bool(io.rx[0, 1] == _DAR_DATA and io.rx_len[0] >= 2)
+        else:
+            is_dar = (io.rx[:n, 1] == _DAR_DATA) & (io.rx_len[:n] >= 2)
+            any_dar = bool(is_dar.any())
+        if not any_dar:
             out = self.agg.process(io.rx[:n], io.rx_len[:n])
             good = self.agg.last_good
             self.book.learn(io.rx_addr, good, self.agg.last_job[good], self.agg.last_worker[good])
             if out.count:
                 self._send(out, np.arange(n))
             return
+        if n == 1:
+            is_dar = np.ones(1, bool)
         dar_rows = np.flatnonzero(is_dar)
         rest = np.flatnonzero(~is_dar)
         self.agg.counters[Counter.RX] += dar_rows.size  # rx counts every datagram; the rest add theirs

@@ -64,6 +64,24 @@ def test_rows_arrive_as_their_datagrams(gso: bool) -> None:
             s.close()
 
 
+def test_runs_are_cut_at_the_byte_limit() -> None:
+    """A run of 100 datagrams of 1,400 bytes to one receiver leaves as messages of at most 46 datagrams
+    (65,507 // 1,400: the most one UDP message may carry), 46 + 46 + 8, and arrives whole and in order."""
+    if not gso_available(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)):
+        pytest.skip("the kernel has no UDP_SEGMENT (udp(7), Linux 4.18+)")
+    (rx,) = _receivers(1)
+    addr = np.frombuffer(sockaddr_in(*rx.getsockname()), np.uint8)
+    buf = np.random.default_rng(3).integers(0, 256, (100, 1400), dtype=np.uint8)
+    tx = BatchSocket(udp_socket("127.0.0.1", 0), batch=8, gso=True)
+    try:
+        assert tx.send(buf, np.arange(100), np.full(100, 1400), np.repeat(addr[None, :], 100, axis=0)) == 100
+        assert tx.gso and tx.gso_messages == 3, tx.gso_messages
+        assert [rx.recv(65536) for _ in range(100)] == [row.tobytes() for row in buf]
+    finally:
+        tx.sock.close()
+        rx.close()
+
+
 def test_a_run_to_a_multicast_group_arrives_as_its_datagrams() -> None:
     """A multicast job's results leave as segmentation-offload runs too: 100 datagrams from a multicast
     aggregator's shard to a group on the loopback interface reach two members, each exactly those

@@ -19,6 +19,7 @@ import socket
 import struct
 
 import numpy as np
+from numba import njit
 
 from worker_lib.udp_offload import GSO_BYTES, GSO_SEGMENTS, SOL_UDP, UDP_GRO, UDP_SEGMENT, enable_gro, gso_available
 
@@ -153,7 +154,9 @@ class BatchSocket:
         self._gso_ctrl[:, 0] = _CMSG_LEN
         self._gso_ctrl[:, 1] = SOL_UDP | (UDP_SEGMENT << 32)
         self._gso_ctrl_at = np.uint64(self._gso_ctrl.ctypes.data)
+        self._gso_counts = np.zeros(self.max_send, np.int64)  #: datagrams per message of the last send
         self._tx_addr_at = np.uint64(self.tx_addr.ctypes.data)
+        self._tx_addr64 = self.tx_addr.view(np.uint64)  # (max_send, 2): each address as two words
         self._tx_iov_at = np.uint64(self._tx_iov.ctypes.data)
 
     def wait(self, timeout: float) -> bool:
@@ -237,15 +240,16 @@ class BatchSocket:
         sent = 0
         if buf is not self._tx_buf:  # the engine sends from one preallocated buffer: look it up once
             self._tx_buf, self._tx_base = buf, np.uint64(buf.ctypes.data)
-        base = self._tx_base
-        stride = np.uint64(buf.strides[0])
+        rows = np.ascontiguousarray(rows, np.int64)
+        lengths = np.ascontiguousarray(lengths, np.int64)
+        addrs = np.ascontiguousarray(addrs, np.uint8).view(np.uint64)
         while sent < total:
             m = min(total - sent, self.max_send)
-            sl = slice(sent, sent + m)
-            self._tx_iov[:m, 0] = base + np.asarray(rows[sl], np.uint64) * stride
-            self._tx_iov[:m, 1] = lengths[sl]
-            self.tx_addr[:m] = addrs[sl]
-            if not (self.gso and m > 1 and self._send_segmented(m)):
+            k = _prepare_sends(rows, lengths, addrs, sent, m, self._tx_base, np.uint64(buf.strides[0]),
+                               self._tx_iov, self._tx_addr64, self.gso, GSO_SEGMENTS, GSO_BYTES, self._gso_msgs,
+                               self._gso_ctrl, self._tx_addr_at, self._tx_iov_at, self._gso_ctrl_at,
+                               self._gso_counts)
+            if not (k and self._send_runs(k)):
                 self._sendmmsg(self._tx_msgs_at, m)
             sent += m
         return sent
@@ -269,38 +273,63 @@ class BatchSocket:
             done += r
         return True
 
-    def _send_segmented(self, m: int) -> bool:
-        """Send the ``m`` prepared datagrams as runs: consecutive ones with one address and one length
-        become one message (at most GSO_SEGMENTS and GSO_BYTES). False if nothing was sent: no two
-        datagrams form a run, or the kernel refused the first message (then segmentation is turned off
-        for this socket); the caller then sends them one per message."""
-        lengths = self._tx_iov[:m, 1].astype(np.int64)
-        addr = self.tx_addr[:m].view(np.uint64)  # (m, 2): a sockaddr_in as two words
-        start = np.ones(m, bool)
-        start[1:] = (addr[1:] != addr[:-1]).any(axis=1) | (lengths[1:] != lengths[:-1])
-        first = np.flatnonzero(start)
-        pos = np.arange(m) - first[np.cumsum(start) - 1]  # place within its run
-        start |= pos % np.minimum(GSO_SEGMENTS, GSO_BYTES // np.maximum(lengths, 1)) == 0
-        first = np.flatnonzero(start)
-        k = first.size
-        if k == m:
-            return False  # no run to join: the plain messages are as good
-        counts = np.diff(np.append(first, m))
-        firsts = first.astype(np.uint64)
-        msgs = self._gso_msgs[:k]
-        msgs[:, _OFF_NAME] = self._tx_addr_at + firsts * np.uint64(SOCKADDR_IN_BYTES)
-        msgs[:, _OFF_IOV] = self._tx_iov_at + firsts * np.uint64(16)
-        msgs[:, _OFF_IOVLEN] = counts
-        multi = counts > 1
-        self._gso_ctrl[:k, 2] = lengths[first]
-        msgs[:, _OFF_CONTROL] = np.where(multi, self._gso_ctrl_at + np.arange(k, dtype=np.uint64) *
-                                         np.uint64(_CMSG_WORDS * 8), np.uint64(0))
-        msgs[:, _OFF_CONTROLLEN] = np.where(multi, _CMSG_WORDS * 8, 0)
+    def _send_runs(self, k: int) -> bool:
+        """Send the ``k`` messages that ``_prepare_sends`` made of the prepared datagrams (runs of one
+        address and one length, each cut by the kernel). False if the kernel refused the first message:
+        segmentation is then turned off for this socket and the caller sends the datagrams one per
+        message."""
+        counts = self._gso_counts[:k]
         if not self._sendmmsg(self._gso_msgs_at, k, counts):
             self.gso = False
             return False
-        self.gso_messages += int(np.count_nonzero(multi))
+        self.gso_messages += int(np.count_nonzero(counts > 1))
         return True
+
+
+@njit(cache=True, nogil=True)
+def _prepare_sends(rows: np.ndarray, lengths: np.ndarray, addrs: np.ndarray, start: int, m: int, base: np.uint64,
+                   stride: np.uint64, iov: np.ndarray, tx_addr: np.ndarray, runs: bool, max_segments: int,
+                   max_bytes: int, msgs: np.ndarray, ctrl: np.ndarray, tx_addr_at: np.uint64, tx_iov_at: np.uint64,
+                   ctrl_at: np.uint64, counts: np.ndarray) -> int:
+    """Write datagrams ``start`` .. ``start + m - 1`` of a send (row ``rows[i]`` of the buffer at ``base``,
+    ``lengths[i]`` bytes, to ``addrs[i]``: a sockaddr_in as two words) into the iovecs and addresses of
+    the plain messages. With ``runs``, also group consecutive datagrams of one address and one length
+    into segmentation-offload messages (at most ``max_segments`` datagrams and ``max_bytes`` bytes each:
+    the message's iovecs are the datagrams', in order, and its cmsg carries their length) and return how
+    many; 0 where no two datagrams form a run (the plain messages are then as good). One compiled pass:
+    as numpy expressions it cost about 20 us per call, most of a one-completion batch's time."""
+    for i in range(m):
+        r = start + i
+        iov[i, 0] = base + np.uint64(rows[r]) * stride
+        iov[i, 1] = np.uint64(lengths[r])
+        tx_addr[i, 0] = addrs[r, 0]
+        tx_addr[i, 1] = addrs[r, 1]
+    if not runs or m < 2:
+        return 0
+    k = 0
+    i = 0
+    while i < m:
+        length = np.int64(iov[i, 1])
+        cap = min(max_segments, max_bytes // max(length, 1))
+        j = i + 1
+        while (j < m and j - i < cap and np.int64(iov[j, 1]) == length and tx_addr[j, 0] == tx_addr[i, 0]
+               and tx_addr[j, 1] == tx_addr[i, 1]):
+            j += 1
+        c = j - i
+        counts[k] = c
+        msgs[k, _OFF_NAME] = tx_addr_at + np.uint64(i * SOCKADDR_IN_BYTES)
+        msgs[k, _OFF_IOV] = tx_iov_at + np.uint64(i * 16)
+        msgs[k, _OFF_IOVLEN] = np.uint64(c)
+        if c > 1:
+            ctrl[k, 2] = np.uint64(length)
+            msgs[k, _OFF_CONTROL] = ctrl_at + np.uint64(k * _CMSG_WORDS * 8)
+            msgs[k, _OFF_CONTROLLEN] = np.uint64(_CMSG_WORDS * 8)
+        else:
+            msgs[k, _OFF_CONTROL] = np.uint64(0)
+            msgs[k, _OFF_CONTROLLEN] = np.uint64(0)
+        k += 1
+        i = j
+    return k if k < m else 0
 
 
 def udp_socket(host: str, port: int, *, rcvbuf: int = 8 << 20, sndbuf: int = 8 << 20) -> socket.socket:
