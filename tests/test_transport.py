@@ -10,7 +10,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -547,11 +547,12 @@ def test_a_late_peer_costs_one_probe_per_timeout() -> None:
 
 
 @contextlib.contextmanager
-def delaying_relay(target: int, delay: float, capacity: int | None = None, interval: float = 0.0) -> Iterator[int]:
+def delaying_relay(target: int, delay: float, capacity: int | None = None, interval: float = 0.0,
+                   drop: Callable[[bytes], bool] | None = None) -> Iterator[int]:
     """A UDP relay on loopback that holds every worker->aggregator datagram ``delay`` seconds (a queue
     behind a slow link; beyond ``capacity`` held datagrams it drops, as a full queue does), passes them
     on at most one per ``interval`` seconds, in order (a link's serialisation), and passes answers
-    straight back; yields its port."""
+    straight back; yields its port. ``drop(datagram)`` true: that request is lost on the way."""
     front = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     back = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     for s in (front, back):
@@ -575,6 +576,8 @@ def delaying_relay(target: int, delay: float, capacity: int | None = None, inter
                         data, addr = s.recvfrom(65536)
                         if s is front:
                             client = addr
+                            if drop is not None and drop(data):
+                                continue
                             if capacity is None or len(held) < capacity:
                                 last = max(time.monotonic() + delay, last + interval)
                                 held.append((last, data))
@@ -661,6 +664,39 @@ def test_one_lost_use_does_not_stop_the_window(policy: str) -> None:
         assert resend_at == 16, sent
         assert tr.stats.early_retransmissions == 0
         assert tr.stats.tail_s >= 0.15  # use 0's fixed 0.2 s timeout ran out after the last first send
+
+
+@pytest.mark.skipif(not gso_available(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)),
+                    reason="the kernel has no UDP_SEGMENT (udp(7), Linux 4.18+)")
+def test_resends_leave_as_runs_and_stay_exact() -> None:
+    """The first copy of every fourth use's datagram is lost on the way (64 uses: 16 lost). The uses that
+    a pass finds due go out again together, as one segmentation-offload run: every datagram, first
+    sends and resends alike, leaves through ``_send_run``, each lost one is resent, and the sums are exact."""
+    cfg = JobConfig(workers=1, slots=64, elems=K)
+    seen: set[int] = set()
+
+    def first_copy_of_every_fourth(data: bytes) -> bool:
+        slot = Header.unpack_from(np.frombuffer(data, np.uint8)).slot
+        if slot % 4 or slot in seen:
+            return False
+        seen.add(slot)
+        return True
+
+    runs: list[int] = []
+
+    class Runs(Transport):
+        def _send_run(self, rows: np.ndarray) -> None:
+            runs.append(rows.shape[0])
+            super()._send_run(rows)
+
+    idx = np.random.default_rng(7).integers(0, 16, 64 * K).astype(np.uint8)
+    with serving(cfg) as srv, delaying_relay(srv.port, 0.0, drop=first_copy_of_every_fourth) as port, \
+            Runs(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=0.05)) as tr:
+        res = tr.exchange_indices(idx)
+    assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
+    assert len(seen) == 16
+    assert tr.stats.retransmissions >= 16, tr.stats.retransmissions  # more only if a stall outlasts a timeout
+    assert sum(runs) == 64 + tr.stats.retransmissions, runs
 
 
 def test_congestion_window_backs_off_a_full_queue() -> None:

@@ -451,7 +451,7 @@ class Transport:
         ``paced`` False (the norm stage): the uses' timing teaches the pacer nothing, neither round trips
         nor expiries nor answers: a barrier's answer waits for the last worker to reach it (process start,
         compute skew), not for the path. ``block``: the uses' datagrams as the rows of one array (one
-        datagram per use, ``packets[i] == [block[i]]``), which lets first sends go out as GSO runs.
+        datagram per use, ``packets[i] == [block[i]]``), which lets first sends and resends go out as GSO runs.
         ``intake``: the same as ``accept`` and the matching before it in one compiled pass
         (``worker_lib.result_intake``), used for the batches without a straggler notice.
         """
@@ -548,11 +548,15 @@ class Transport:
             if due.size and paced:
                 burst = extend_loss_runs(runs, due[tries[due] == 0], self.pacer.burst_run())
                 self.pacer.expired(now, int(due.size), burst=burst)
+            again = []  # uses of one datagram each, resent together as one run below
             for i in due.tolist():
                 if policy == "zero-fill" and tries[i] >= cfg.retries:
                     self._finish_lost(i, int(slots[i]), tensor, done, lost, use_of_slot)
                     continue
                 tries[i] += 1
+                if block is not None and self.gso:
+                    again.append(i)
+                    continue
                 for k in resend(i):
                     self.stats.retransmissions += 1
                     self._send(packets[i][k], int(slots[i]))
@@ -560,6 +564,11 @@ class Transport:
                 # must not make this resend look sent earlier than it (RACK would resend it again)
                 sent_at[i] = time.monotonic()
                 heard_since[i] = math.inf
+            if again:
+                self._send_run(block[again])  # a copy: C-contiguous, as sendmsg needs
+                self.stats.retransmissions += len(again)
+                sent_at[again] = time.monotonic()
+                heard_since[again] = math.inf
             if (now_done := int(np.count_nonzero(done))) != done_count:
                 done_count, last_progress = now_done, now
             if now - last_answer > cfg.deadline or now - last_progress > cfg.deadline:
