@@ -134,3 +134,31 @@ def test_dar_burst_delivers_what_one_by_one_delivers() -> None:
     finally:
         one.close()
         burst.close()
+
+
+def test_results_follow_a_worker_to_its_new_address(pair: tuple[Recorded, Recorded]) -> None:
+    """Addresses as the state table's destinations, written out: in one burst, job 4's workers 0 and 1
+    send slot 0 from SOURCES[0] and [1] and job 9's worker 0 from SOURCES[2] (two jobs in one batch, each
+    learnt); then, in a second burst, worker 1 of job 4 sends slot 1 from SOURCES[3] (same host, new port)
+    and worker 0 completes it from its old address. The completion of slot 0 goes to SOURCES[0] and [1];
+    that of slot 1 to SOURCES[0] and [3], not to the old [1]; job 9 completes nothing and sends nothing.
+    A later batch of both jobs teaches job 9 its worker's new address, which job 4's worker has."""
+    _, burst = pair
+    cfg = CFG
+
+    def data(w: int, slot: int, job: JobConfig = cfg) -> bytes:
+        size = job.elems * job.bits // 8 if job.kind == "thc" else job.elems * 4
+        return Header(**job.request_fields(PacketType.DATA, worker=w, slot=slot, round=1)).pack(bytes(size))
+
+    burst.feed([(SOURCES[0], data(0, 0)), (SOURCES[2], data(0, 0, UNCOMPRESSED)), (SOURCES[1], data(1, 0))])
+    first = sorted(a for a, _ in burst.sent)
+    burst.sent.clear()
+    burst.feed([(SOURCES[3], data(1, 1)), (SOURCES[0], data(0, 1))])
+    second = sorted(a for a, _ in burst.sent)
+    assert first == sorted([SOURCES[0], SOURCES[1]])
+    assert second == sorted([SOURCES[0], SOURCES[3]])
+    book = burst.shard.book.jobs
+    assert bytes(book[cfg.job].addr[1]) == SOURCES[3] and bytes(book[UNCOMPRESSED.job].addr[0]) == SOURCES[2]
+    # job 9's worker 0 moves to the address job 4's worker 0 has, in a batch of job 4's known workers
+    burst.feed([(SOURCES[0], data(0, 1)), (SOURCES[0], data(0, 1, UNCOMPRESSED))])
+    assert bytes(book[UNCOMPRESSED.job].addr[0]) == SOURCES[0]
