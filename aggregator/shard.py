@@ -155,15 +155,15 @@ class AddressBook:
         caused by rx rows ``rx_rows``: destination by destination, each worker's results in a row (one GSO
         run each). One destination set serves all of a job's completions, unless this batch taught the job
         an address: then each completion gets the set known at its own packet."""
-        for j in np.unique(jobs).tolist():
-            sel = jobs == j
-            ms, src = outputs[sel], rx_rows[sel]
+        one = bool((jobs == jobs[0]).all())  # the common batch: one job's completions
+        for j in [int(jobs[0])] if one else np.unique(jobs).tolist():
+            ms, src = (outputs, rx_rows) if one else (outputs[jobs == j], rx_rows[jobs == j])
             groups = [slice(None)] if j not in self._moves else [slice(i, i + 1) for i in range(ms.size)]
             for g in groups:
                 dests = self.destinations(rx_addr, j, int(src[g][-1]), multicast)
                 if dests is None:
                     continue
-                rows.append(np.tile(ms[g], len(dests)))
+                rows.append(np.concatenate([ms[g]] * len(dests)))  # (np.tile costs 5-8 us here)
                 addrs.append(np.repeat(dests, ms[g].size, axis=0))
 
     def destinations(self, rx_addr: np.ndarray, job: int, row: int, multicast: bool = False) -> np.ndarray | None:
