@@ -41,7 +41,7 @@ def pack_bits(values: np.ndarray, width: int) -> np.ndarray:
     z = np.ascontiguousarray(v, np.uint8)
     if 8 % width == 0 and not pad:  # whole bytes per row: one compiled pass over the flat array
         out = np.empty((*lead, need), np.uint8)
-        _PACK_WHOLE[width](z.reshape(-1), out.reshape(-1))
+        pack_whole_into(z.reshape(-1), width, out.reshape(-1))
         return out
     if pad:
         z = np.concatenate([z, np.zeros((*lead, pad), np.uint8)], axis=-1)
@@ -153,7 +153,7 @@ def unpack_bits(buf: np.ndarray, width: int, count: int) -> np.ndarray:
     if 8 % width == 0:
         per = 8 // width
         out = np.empty((*lead, need * per), np.uint8)
-        _UNPACK_WHOLE[width](np.ascontiguousarray(b).reshape(-1), out.reshape(-1))
+        unpack_whole_into(np.ascontiguousarray(b).reshape(-1), width, out.reshape(-1))
         return out[..., :count]
     groups = -(-count // 8)
     raw = np.zeros((*lead, groups * width), np.uint64)
