@@ -87,19 +87,22 @@ class LossPhases:
                 raise NetemError(f"the loss phases stopped switching: {self._error}") from self._error
 
 
-#: The running counters in a step mark after its start and end (``examples/train_ddp.py``'s ``step_marks``).
+#: The running counters of a step mark compared between phases, by their names in
+#: ``examples/train_ddp.py``'s ``step_marks`` (the first, the resends, also gives ``resent_per_step``).
 COUNTERS = ("retransmissions", "tail_s", "slot_bound_s", "window_bound_s", "encode_s", "network_s", "decode_s",
             "hook_cpu_s", "cpu_s")
 
 
-def steps_by_phase(marks: list[list[float]], switches: list[Switch], warmup: int) -> list[list[tuple[float, ...]]]:
+def steps_by_phase(marks: list[dict[str, float]], switches: list[Switch],
+                   warmup: int) -> list[list[tuple[float, ...]]]:
     """Per phase (the time from one switch's end to the next one's start), one tuple per timed step that ran
     wholly inside it: the step's seconds, then how much each of ``COUNTERS`` grew during the step.
-    ``marks`` are ``[start, end, *counters so far]`` per step, warm-up steps first."""
+    ``marks``: per step, warm-up steps first, its ``start`` and ``end`` and the counters so far, by name."""
     phases: list[list[tuple[float, ...]]] = [[] for _ in switches]
     for i in range(warmup, len(marks)):
-        start, end, *now = marks[i]
-        before = marks[i - 1][2:] if i else [0] * len(now)
+        start, end = marks[i]["start"], marks[i]["end"]
+        now = [marks[i][k] for k in COUNTERS]
+        before = [marks[i - 1][k] for k in COUNTERS] if i else [0] * len(now)
         for j, sw in enumerate(switches):
             nxt = switches[j + 1].before if j + 1 < len(switches) else float("inf")
             if sw.after <= start and end <= nxt:
@@ -152,7 +155,7 @@ def median_interval(values: np.ndarray, level: float = LEVEL) -> tuple[float, fl
     return (-math.inf, math.inf) if k == 0 else (float(x[k - 1]), float(x[n - k]))
 
 
-def compare_phases(runs: list[tuple[list[list[float]], list[Switch], int]]) -> PhaseComparison | None:
+def compare_phases(runs: list[tuple[list[dict[str, float]], list[Switch], int]]) -> PhaseComparison | None:
     """Compare each lossy phase with the lossless phase just before it, over every run (``(marks,
     switches, warmup)`` each). None when no pair of phases has timed steps on both sides."""
     diffs: list[list[float]] = []  # per pair: step, then each counter's growth (lossy - lossless medians)

@@ -19,7 +19,8 @@ own shard, and rank 0 measures the test accuracy every ``--eval-every`` steps (o
 steps: ``benchmarks/time_to_accuracy.py`` plots it against the training time). At the end rank 0
 prints the final loss (mean over ranks) and whether all ranks hold identical parameters;
 ``--json-out`` writes the losses, step times, accuracies, where the time went, the hook's
-counters, and per step its start, end and rank 0's counters so far (``step_marks``).
+counters, and per step its start, end and rank 0's counters so far (``step_marks``, each a dict by name:
+``step_counters``).
 """
 
 from __future__ import annotations
@@ -170,6 +171,23 @@ def accuracy(model: nn.Module, data: Dataset, device: torch.device, dtype: torch
     return float((pred == data.test_y).float().mean())
 
 
+#: What a step mark records of rank 0's running counters: its name, and the attribute of the transport's or
+#: the hook's stats it reads. ``benchmarks/loss_phases.py`` reads the marks by these names.
+STEP_COUNTERS = (("retransmissions", "transport", "retransmissions"), ("tail_s", "transport", "tail_s"),
+                 ("slot_bound_s", "transport", "slot_bound_s"), ("window_bound_s", "transport", "window_bound_s"),
+                 ("encode_s", "hook", "encode_s"), ("network_s", "hook", "network_s"),
+                 ("decode_s", "hook", "decode_s"), ("hook_cpu_s", "hook", "cpu_s"))
+
+
+def step_counters(state: THCHookState | None) -> dict[str, float]:
+    """Rank 0's running counters of ``STEP_COUNTERS`` (zeros without the THC hook): the transport's
+    resends and waits, the hook's phases and CPU."""
+    if state is None:
+        return {name: 0.0 for name, _, _ in STEP_COUNTERS}
+    stats = {"transport": state.transport.stats, "hook": state.stats}
+    return {name: float(getattr(stats[where], attr)) for name, where, attr in STEP_COUNTERS}
+
+
 def params_digest(model: nn.Module) -> str:
     """SHA-256 of every parameter's bytes: equal digests mean bit-identical replicas."""
     h = hashlib.sha256()
@@ -305,13 +323,7 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_world: int, devi
                 torch.cuda.synchronize(device)
             t3 = time.perf_counter()
             clock += t3 - t0
-            if state is not None:
-                ts, hs = state.transport.stats, state.stats
-                counters = (ts.retransmissions, ts.tail_s, ts.slot_bound_s, ts.window_bound_s, hs.encode_s,
-                            hs.network_s, hs.decode_s, hs.cpu_s)
-            else:
-                counters = (0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-            marks.append((t0, t3, *counters, time.process_time()))
+            marks.append({"start": t0, "end": t3, **step_counters(state), "cpu_s": time.process_time()})
             if step >= args.warmup:
                 timed += 1
                 for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0), strict=True):

@@ -7,6 +7,7 @@ against an aggregator subprocess serving a one-worker job.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import select
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.loss_phases import COUNTERS
 from launchers.aggregator_process import listening_port
 from worker_lib.ddp import DDPHookConfig, THCHookState
 from worker_lib.job import JobConfig
@@ -86,6 +88,13 @@ def test_thc_identical_every_step_and_loss_tracks_ddp(tmp_path: Path, baseline: 
     # of every step went through the aggregator.
     assert hook["coordinates"] == STEPS * s["parameters"] and hook["buckets"] > STEPS
     assert hook["lost_chunks"] == 0 and hook["bytes_sent"] > 0
+    # every step has a mark with the counters benchmarks/loss_phases.py compares, by name; the last one's
+    # running counts are rank 0's totals
+    marks = s["step_marks"]
+    assert len(marks) == STEPS and set(COUNTERS) <= marks[-1].keys()
+    assert all(a["end"] <= b["start"] for a, b in itertools.pairwise(marks))
+    assert marks[-1]["encode_s"] == pytest.approx(hook["encode_s"]) and hook["encode_s"] > 0
+    assert marks[-1]["retransmissions"] == hook["transport_retransmissions"]
     first = baseline["losses"][0]
     assert s["losses"][0] == pytest.approx(first)  # same data and initial parameters
     thc, ref = tail_mean(s["losses"]), tail_mean(baseline["losses"])
