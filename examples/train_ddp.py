@@ -298,8 +298,12 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_world: int, devi
         # counters so far: this rank's transport (retransmissions, tail_s, slot_bound_s, window_bound_s), its
         # hook (encode_s, network_s, decode_s, cpu_s: its thread's CPU) and its process CPU; for benchmarks
         # that change the network during a run (benchmarks/loss_phases.py)
-        marks: list[tuple[float, ...]] = []
+        marks: list[dict[str, float]] = []
         base: dict[str, float] = {}
+        # The objects made so far (torch's import, the model, DDP, the hook: about 330,000) move to the
+        # permanent generation. Otherwise every full collection walks them all: 130 ms on a 2-core machine,
+        # about once every 20 steps, holding the GIL while the hook's thread has uses in flight.
+        gc.freeze()
         cpu_at_warmup = time.process_time()
         for step in range(args.steps):
             if step == args.warmup:

@@ -630,6 +630,36 @@ def test_a_window_queued_behind_a_slow_link_is_not_resent() -> None:
     assert tr.stats.retransmissions <= 2, tr.stats.retransmissions
 
 
+def test_answers_waiting_in_the_socket_are_taken_before_resending() -> None:
+    """Answers come one per ms (a relay passes one request at a time; a window is 8 uses). The worker's
+    thread stops for 100 ms right after it found its socket empty (a busy core, or the GIL held by the
+    training loop): the rest of the window's answers arrive meanwhile, and when it runs again those uses'
+    30 ms timers have expired. It takes the waiting answers before resending anything, so
+    nothing is resent (resending first sent the rest of the window again). Exact."""
+    cfg = JobConfig(workers=1, slots=8, elems=K)
+    idx = np.random.default_rng(8).integers(0, 16, 64 * K).astype(np.uint8)
+
+    class Stalled(Transport):
+        stalled = True  # not in the first exchange, which warms the aggregator up (its compiled code loads)
+        answered_before = 0
+
+        def _receive_batch(self, sock: socket.socket) -> tuple[np.ndarray, np.ndarray]:
+            rows, lens = super()._receive_batch(sock)
+            if not len(rows) and self.stats.results > self.answered_before and not self.stalled:
+                self.stalled = True
+                time.sleep(0.1)
+            return rows, lens
+
+    with serving(cfg) as srv, delaying_relay(srv.port, 0.0, interval=0.001) as port, \
+            Stalled(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=0.03,
+                                    adaptive_timeout=False, congestion_control=False)) as tr:
+        tr.exchange_indices(idx)
+        tr.answered_before, resent, tr.stalled = tr.stats.results, tr.stats.retransmissions, False
+        res = tr.exchange_indices(idx)
+    assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
+    assert tr.stalled and tr.stats.retransmissions == resent, tr.stats.retransmissions - resent
+
+
 @pytest.mark.parametrize("policy", ["reliable", "zero-fill"])
 def test_one_lost_use_does_not_stop_the_window(policy: str) -> None:
     """Window 4 of 16 slots, and the very first datagram is lost: uses 1..15 still go out and are

@@ -524,79 +524,13 @@ class Transport:
             self.stats.tail_s += max(0.0, time.monotonic() - all_sent)
             return lost
 
-        while base < count:
-            while done[base]:  # the oldest open use first: its timeout is backed off apart (pacing.py)
-                base += 1
-                if base == count:
-                    return end()
-            now = time.monotonic()
-            n = room(base, nxt)
-            use_of_slot[slots[nxt:nxt + n]] = np.arange(nxt, nxt + n)
-            if n and block is not None and self.gso:
-                self._send_run(block[nxt:nxt + n])
-            else:
-                for i in range(nxt, nxt + n):
-                    for data in packets[i]:
-                        self._send(data, int(slots[i]))
-            sent_at[nxt:nxt + n] = now
-            nxt += n
-            if n and nxt == count:
-                all_sent = time.monotonic()
-            # Resend or give up what is due (each resend backs that use's timeout off, see pacing.py).
-            due, n_early, _ = deadlines(base, nxt, now)
-            self.stats.early_retransmissions += n_early  # resent because later answers showed them lost
-            if due.size and paced:
-                burst = extend_loss_runs(runs, due[tries[due] == 0], self.pacer.burst_run())
-                self.pacer.expired(now, int(due.size), burst=burst)
-            again = []  # uses of one datagram each, resent together as one run below
-            for i in due.tolist():
-                if policy == "zero-fill" and tries[i] >= cfg.retries:
-                    self._finish_lost(i, int(slots[i]), tensor, done, lost, use_of_slot)
-                    continue
-                tries[i] += 1
-                if block is not None and self.gso:
-                    again.append(i)
-                    continue
-                for k in resend(i):
-                    self.stats.retransmissions += 1
-                    self._send(packets[i][k], int(slots[i]))
-                # stamped after this pass's first sends, which left before it: an answer to one of those
-                # must not make this resend look sent earlier than it (RACK would resend it again)
-                sent_at[i] = time.monotonic()
-                heard_since[i] = math.inf
-            if again:
-                self._send_run(block[again])  # a copy: C-contiguous, as sendmsg needs
-                self.stats.retransmissions += len(again)
-                sent_at[again] = time.monotonic()
-                heard_since[again] = math.inf
-            if (now_done := int(np.count_nonzero(done))) != done_count:
-                done_count, last_progress = now_done, now
-            if now - last_answer > cfg.deadline or now - last_progress > cfg.deadline:
-                where = ", ".join(f"{h}:{p}" for h, p in (cfg.aggregator, *cfg.more_aggregators))
-                # answers that finish nothing (stale rounds, notices of no newer round) must not hold a
-                # worker past its deadline either
-                heard = "no answer" if now - last_answer > cfg.deadline else "no use answered or given up"
-                raise AggregatorUnreachable(
-                    f"worker {cfg.worker}: {heard} from the aggregator at {where} (shards={cfg.shards}) "
-                    f"for {cfg.deadline:.1f} s: is thc-aggregator running there with {what}, and are the job's "
-                    f"other workers sending?")
-            while base < count and done[base]:
-                base += 1
-            if base >= count or room(base, nxt):
-                continue
-            next_at = deadlines(base, nxt, now)[2]
-            wait = max(0.0, next_at - now) if next_at < math.inf else 0.0
-            waited = time.monotonic()
-            ready, _, _ = select.select(self.socks, [], [], max(wait, 0.0005))
+        def receive(socks: list[socket.socket]) -> None:
+            """Take every answer waiting on ``socks`` (each read until it is empty): mark the uses it
+            finishes, feed the pacer, and restart the timers of the uses the path has spoken since."""
+            nonlocal last_answer
             heard = last_answer
             progress = math.inf  # the earliest (last) send of a use answered now
-            if nxt < count:  # blocked from sending: by the slots or by the window
-                waited = time.monotonic() - waited
-                if nxt - base >= p.slots:
-                    self.stats.slot_bound_s += waited
-                else:
-                    self.stats.window_bound_s += waited
-            for sock in ready:
+            for sock in socks:
                 while True:
                     rows, lens = self._receive_batch(sock)
                     if not len(rows):
@@ -653,6 +587,83 @@ class Transport:
                 since[(since == math.inf) & (at < last_answer)] = last_answer
                 if early:  # and those of uses first sent after a use answered now start again (pacing.py)
                     since[(at >= progress) & (tries[base:nxt] == 0)] = last_answer
+
+        while base < count:
+            while done[base]:  # the oldest open use first: its timeout is backed off apart (pacing.py)
+                base += 1
+                if base == count:
+                    return end()
+            now = time.monotonic()
+            n = room(base, nxt)
+            use_of_slot[slots[nxt:nxt + n]] = np.arange(nxt, nxt + n)
+            if n and block is not None and self.gso:
+                self._send_run(block[nxt:nxt + n])
+            else:
+                for i in range(nxt, nxt + n):
+                    for data in packets[i]:
+                        self._send(data, int(slots[i]))
+            sent_at[nxt:nxt + n] = now
+            nxt += n
+            if n and nxt == count:
+                all_sent = time.monotonic()
+            # Resend or give up what is due (each resend backs that use's timeout off, see pacing.py).
+            due, n_early, _ = deadlines(base, nxt, now)
+            if due.size:
+                # Answers that came while this thread did not run (descheduled on a busy core, or the GIL
+                # held by the training loop) wait in the socket: they are not losses. Take them first.
+                receive(self.socks)
+                due, n_early, _ = deadlines(base, nxt, now)
+            self.stats.early_retransmissions += n_early  # resent because later answers showed them lost
+            if due.size and paced:
+                burst = extend_loss_runs(runs, due[tries[due] == 0], self.pacer.burst_run())
+                self.pacer.expired(now, int(due.size), burst=burst)
+            again = []  # uses of one datagram each, resent together as one run below
+            for i in due.tolist():
+                if policy == "zero-fill" and tries[i] >= cfg.retries:
+                    self._finish_lost(i, int(slots[i]), tensor, done, lost, use_of_slot)
+                    continue
+                tries[i] += 1
+                if block is not None and self.gso:
+                    again.append(i)
+                    continue
+                for k in resend(i):
+                    self.stats.retransmissions += 1
+                    self._send(packets[i][k], int(slots[i]))
+                # stamped after this pass's first sends, which left before it: an answer to one of those
+                # must not make this resend look sent earlier than it (RACK would resend it again)
+                sent_at[i] = time.monotonic()
+                heard_since[i] = math.inf
+            if again:
+                self._send_run(block[again])  # a copy: C-contiguous, as sendmsg needs
+                self.stats.retransmissions += len(again)
+                sent_at[again] = time.monotonic()
+                heard_since[again] = math.inf
+            if (now_done := int(np.count_nonzero(done))) != done_count:
+                done_count, last_progress = now_done, now
+            if now - last_answer > cfg.deadline or now - last_progress > cfg.deadline:
+                where = ", ".join(f"{h}:{p}" for h, p in (cfg.aggregator, *cfg.more_aggregators))
+                # answers that finish nothing (stale rounds, notices of no newer round) must not hold a
+                # worker past its deadline either
+                heard = "no answer" if now - last_answer > cfg.deadline else "no use answered or given up"
+                raise AggregatorUnreachable(
+                    f"worker {cfg.worker}: {heard} from the aggregator at {where} (shards={cfg.shards}) "
+                    f"for {cfg.deadline:.1f} s: is thc-aggregator running there with {what}, and are the job's "
+                    f"other workers sending?")
+            while base < count and done[base]:
+                base += 1
+            if base >= count or room(base, nxt):
+                continue
+            next_at = deadlines(base, nxt, now)[2]
+            wait = max(0.0, next_at - now) if next_at < math.inf else 0.0
+            waited = time.monotonic()
+            ready, _, _ = select.select(self.socks, [], [], max(wait, 0.0005))
+            if nxt < count:  # blocked from sending: by the slots or by the window
+                waited = time.monotonic() - waited
+                if nxt - base >= p.slots:
+                    self.stats.slot_bound_s += waited
+                else:
+                    self.stats.window_bound_s += waited
+            receive(ready)
         return end()
 
     def _finish_lost(self, i: int, slot: int, tensor: int, done: np.ndarray, lost: np.ndarray,
