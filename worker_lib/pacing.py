@@ -241,7 +241,9 @@ class Pacer:
                 recent - self.base_rtt > max(QUEUE_DELAY, self.base_rtt):
             self.ssthresh = min(self.ssthresh, self.cwnd)  # a queue shows: slow start ends, growth pauses
             return
-        for _ in range(count):
+        for _ in range(count):  # stops at the ceiling: a full window (the usual case) costs no loop
+            if self.cwnd >= self.max_window:
+                break
             step = 1.0 if self.cwnd < self.ssthresh else 1.0 / self.cwnd
             self.cwnd = min(float(self.max_window), self.cwnd + step)
 
