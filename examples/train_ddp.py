@@ -294,10 +294,9 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_world: int, devi
         clock = 0.0  # seconds spent in training steps, warm-up included (evaluations excluded)
         times = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0, "step_s": 0.0}
         timed = 0
-        # per step: start and end (time.perf_counter: CLOCK_MONOTONIC, comparable across processes), then
-        # counters so far: this rank's transport (retransmissions, tail_s, slot_bound_s, window_bound_s), its
-        # hook (encode_s, network_s, decode_s, cpu_s: its thread's CPU) and its process CPU; for benchmarks
-        # that change the network during a run (benchmarks/loss_phases.py)
+        # per step: start and end (time.perf_counter: CLOCK_MONOTONIC, comparable across processes), the
+        # counters so far of ``step_counters`` and the process's CPU (cpu_s); for benchmarks that change the
+        # network during a run (benchmarks/loss_phases.py)
         marks: list[dict[str, float]] = []
         base: dict[str, float] = {}
         # The objects made so far (torch's import, the model, DDP, the hook: about 330,000) move to the

@@ -66,7 +66,7 @@ def run_training(net: Topology, script_args: Sequence[str], *, timeout: float = 
         for rank, (node, log_path) in enumerate(zip(workers, logs, strict=True)):
             # torchrun's agent polls its worker every --monitor-interval (0.1 s by default); each poll allocates
             # enough that the agent, which holds torch's whole import, ran full garbage collections for about
-            # 2.5 % of a core each (perf, 1 Gbit/s DDP run), on the cores the workers and the aggregator
+            # 2.7 % of a core each (perf, 1 Gbit/s DDP run), on the cores the workers and the aggregator
             # share. A crashed worker is still noticed within a second.
             cmd = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval", "1", "--nnodes",
                    str(len(workers)), "--node-rank", str(rank), "--nproc-per-node", "1", "--master-addr",
