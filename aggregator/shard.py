@@ -157,7 +157,8 @@ class AddressBook:
         an address: then each completion gets the set known at its own packet."""
         one = bool((jobs == jobs[0]).all())  # the common batch: one job's completions
         for j in [int(jobs[0])] if one else np.unique(jobs).tolist():
-            ms, src = (outputs, rx_rows) if one else (outputs[jobs == j], rx_rows[jobs == j])
+            sel = slice(None) if one else jobs == j
+            ms, src = outputs[sel], rx_rows[sel]
             groups = [slice(None)] if j not in self._moves else [slice(i, i + 1) for i in range(ms.size)]
             for g in groups:
                 dests = self.destinations(rx_addr, j, int(src[g][-1]), multicast)
