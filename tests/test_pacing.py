@@ -140,6 +140,27 @@ def test_window_grows_and_only_a_burst_of_losses_cuts_it() -> None:
     assert p.window() == 40
 
 
+@pytest.mark.parametrize(("start", "ssthresh", "count"), [(16.0, 40.0, 1), (16.0, 20.0, 30), (9.0, 9.0, 9),
+                                                        (37.5, 10.0, 200), (3.0, 3.0, 5000), (20.25, 20.0, 64),
+                                                        (2.0, 2.0, 1), (2.0, 2.0, 3), (500.0, 100.0, 40)])
+def test_a_batch_of_answers_grows_the_window_as_many_single_answers(start: float, ssthresh: float,
+                                                                     count: int) -> None:
+    """``answered(now, count)`` takes a received batch at once; the window it leaves is the one that
+    ``count`` answers one by one leave (slow start adds 1 each up to ssthresh, then 1/cwnd each; capped),
+    within a thousandth of a use, and its whole part (the window in uses) is the same."""
+    batch, single = pacer(max_window=512), pacer(max_window=512)
+    for p in (batch, single):
+        p.cwnd, p.ssthresh = start, ssthresh
+    batch.answered(0.0, count)
+    for _ in range(count):
+        single.answered(0.0)
+    expected = start  # the per-answer rule, written out here
+    for _ in range(count):
+        expected = min(512.0, expected + (1.0 if expected < ssthresh else 1.0 / expected))
+    assert single.cwnd == pytest.approx(expected, abs=1e-9)
+    assert batch.cwnd == pytest.approx(expected, abs=1e-3) and batch.window() == single.window()
+
+
 def test_a_burst_is_a_run_of_consecutive_first_send_losses() -> None:
     """Uses 0..9 lost on their first send, in two timeouts' worth of expiries: the 10th makes the run a
     burst, once; the same ten losses scattered (every other use) are not; a larger ``need`` waits for a

@@ -241,11 +241,22 @@ class Pacer:
                 recent - self.base_rtt > max(QUEUE_DELAY, self.base_rtt):
             self.ssthresh = min(self.ssthresh, self.cwnd)  # a queue shows: slow start ends, growth pauses
             return
-        for _ in range(count):  # stops at the ceiling: a full window (the usual case) costs no loop
-            if self.cwnd >= self.max_window:
-                break
-            step = 1.0 if self.cwnd < self.ssthresh else 1.0 / self.cwnd
-            self.cwnd = min(float(self.max_window), self.cwnd + step)
+        c = self.cwnd
+        if count <= 0 or c >= self.max_window:
+            return
+        if c < self.ssthresh:  # slow start: one use per answer, until ssthresh
+            ss = min(count, math.ceil(self.ssthresh - c))
+            c, count = c + ss, count - ss
+        if count == 1:  # congestion avoidance: 1/c per answer
+            c += 1.0 / c
+        elif count:
+            # n answers at once: c^2 grows by 2 + 1/c_k^2 per answer, and the sum of the 1/c_k^2 over the batch
+            # is ln(b/a)/2 + (1/a - 1/b)/2 (Euler-Maclaurin; a = c^2, b = c^2 + 2n), within 2e-4 of a use of
+            # the per-answer loop for c >= 2 (tests/test_pacing.py). The loop took a lossy exchange, whose
+            # window stays below its ceiling, 4,500 iterations.
+            a, b = c * c, c * c + 2.0 * count
+            c = math.sqrt(b + 0.5 * math.log(b / a) + 0.5 * (1.0 / a - 1.0 / b))
+        self.cwnd = min(float(self.max_window), c)
 
     def queue(self) -> float | None:
         """Uses of this worker waiting in a queue on the path, estimated from the round trips (None
