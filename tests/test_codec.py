@@ -241,6 +241,39 @@ def test_per_chunk_counts_and_zero_fill():
     assert torch.allclose(dec, rht.inverse(filled.clone()), atol=1e-5)
 
 
+def test_sums_as_uint8_decode_as_wide_ones():
+    """The transport hands THC's 8-bit results over as uint8: every decoding path (one count, compiled or
+    torch; per-coordinate counts; zero-fill) gives what int64 sums of the same values give, bit for bit,
+    and a sum above g * count is refused."""
+    d, key, n = 100, SignKey.derive(4, 0, 1), 3
+    c = THCCodec(THCConfig(error_feedback=False), seed=0)
+    g = c.table.granularity
+    wide = torch.randint(0, g * n + 1, (128,), dtype=torch.int64, generator=torch.Generator().manual_seed(3))
+    small = wide.to(torch.uint8)
+    assert torch.equal(small.to(torch.int64), wide)  # the values fit: g * n = 90
+    lost = torch.zeros(128, dtype=torch.bool)
+    lost[:16] = True
+    buf = torch.empty(128)
+    for out in (None, buf):  # the torch pass, the compiled pass
+        for mask in (None, lost):
+            assert torch.equal(c.rotated_estimate(small, n, 0.5, out=None if out is None else out.clone(), lost=mask),
+                               c.rotated_estimate(wide, n, 0.5, out=None if out is None else out.clone(), lost=mask))
+    counts = torch.tensor([n] * 64 + [n - 1] * 64)
+    fit_wide = torch.minimum(wide, g * counts)
+    fit_small = fit_wide.to(torch.uint8)
+    for mask in (None, lost):
+        assert torch.equal(c.rotated_estimate(fit_small, counts, 0.5, lost=mask),
+                           c.rotated_estimate(fit_wide, counts, 0.5, lost=mask))
+    assert torch.equal(c.decode(small, n, 0.5, d, key), c.decode(wide, n, 0.5, d, key))
+    over = small.clone()
+    over[5] = g * n + 1
+    for out in (None, buf):
+        with pytest.raises(ValueError, match="outside"):
+            c.rotated_estimate(over, n, 0.5, out=out)
+    with pytest.raises(ValueError, match="outside"):
+        c.rotated_estimate(over, counts.clamp(min=n), 0.5)
+
+
 def _lossy_allreduce(errors, outs=None, residual_fails=False):
     """Three workers through the simulated network with loss on the way up (some chunks lost, others
     with two contributors): the per-coordinate decoding path."""

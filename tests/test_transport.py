@@ -82,14 +82,16 @@ def random_indices(cfg: JobConfig, chunks: int, seed: int = 0) -> list[np.ndarra
 
 
 def test_sums_equal_lookup_sum() -> None:
-    """4 workers: every chunk's sums equal lookup_sum of their indices; contributors 4, bitmap 0b1111."""
+    """4 workers: every chunk's sums equal lookup_sum of their indices, as uint8 (the job's 8-bit results in
+    their own width); contributors 4, bitmap 0b1111."""
     cfg = JobConfig(workers=4, slots=8, elems=K)
+    assert cfg.result_bits == 8
     idx = random_indices(cfg, 20)
     with serving(cfg) as srv:
         res, _ = run_workers(srv, cfg, idx)
     want = oracle(cfg, idx, [0, 1, 2, 3])
     for r in res:
-        assert np.array_equal(r.sums, want)
+        assert r.sums.dtype == np.uint8 and np.array_equal(r.sums, want)
         assert (r.contributors == 4).all() and (r.bitmap == 0b1111).all() and not r.lost.any()
 
 

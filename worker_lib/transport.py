@@ -183,7 +183,9 @@ class TransportStats:
 class UseResults:
     """Answers to a run of uses: sums (or norm bits), contributor counts, bitmaps, and what was lost."""
 
-    sums: np.ndarray  #: (C, K) int32 (int64 for 32-bit THC results) (DATA), or (C,) int64 norm bits (NORM)
+    #: (C, K) sums (DATA): THC's 8-bit results as uint8, 16-bit ones and an uncompressed job's as int32,
+    #: THC's 32-bit ones as int64; or (C,) int64 norm bits (NORM)
+    sums: np.ndarray
     contributors: np.ndarray  #: (C,) int64, 0 where lost
     bitmap: np.ndarray  #: (C,) int64
     lost: np.ndarray  #: (C,) bool
@@ -265,8 +267,11 @@ class Transport:
             raise ValueError("exchange_indices needs a THC job; use exchange_int32")
         idx = np.asarray(indices, np.uint8).reshape(-1)
         chunks = max(1, math.ceil(idx.size / p.elems))
-        padded = np.zeros(chunks * p.elems, np.uint8)
-        padded[: idx.size] = idx
+        if idx.size == chunks * p.elems:  # whole chunks (a power-of-two length and K): packed as they are
+            padded = idx
+        else:
+            padded = np.zeros(chunks * p.elems, np.uint8)
+            padded[: idx.size] = idx
         payload = pack_bits(padded.reshape(chunks, p.elems), p.bits)
         return self.run_uses(PacketType.DATA, payload, tensor=tensor)
 
@@ -380,10 +385,14 @@ class Transport:
         rows = pkts[:, None]  # rows[i]: use i's one datagram, as a (1, L) view (sendto takes any buffer)
         k = 1 if is_norm else p.elems
         signed = p.kind == "uncompressed"
-        # int32 holds every 8/16-bit sum and the uncompressed job's int32 sums; only THC's 32-bit results
-        # (and norm bits) need int64. Narrow sums are what the decoder reads fastest.
-        wide = is_norm or (not signed and p.result_bits == 32)
-        sums = np.zeros(count if is_norm else (count, k), np.int64 if wide else np.int32)
+        # THC's 8-bit results as uint8 (a 2^22-coordinate step's sums are 4 MiB so, 16 as int32: fewer pages
+        # to fault in and zero, and what the decoder reads fastest); 16-bit ones in int32 (torch has few
+        # operations for uint16), as the uncompressed job's; THC's 32-bit results and norm bits in int64.
+        if is_norm or (not signed and p.result_bits == 32):
+            sums_type = np.int64
+        else:
+            sums_type = np.uint8 if not signed and p.result_bits == 8 else np.int32
+        sums = np.zeros(count if is_norm else (count, k), sums_type)
         contrib = np.zeros(count, np.int64)
         bitmap = np.zeros(count, np.int64)
         want_type = PacketType.NORM_RESULT if is_norm else PacketType.RESULT

@@ -27,7 +27,7 @@ def pack_bits(values: np.ndarray, width: int) -> np.ndarray:
     """Pack non-negative integers below 2^width into uint8, MSB first, along the last axis."""
     _check_width(width)
     v = np.asarray(values)
-    if v.size and (int(v.min()) < 0 or int(v.max()) >= (1 << width)):
+    if v.size and ((v.dtype.kind != "u" and int(v.min()) < 0) or int(v.max()) >= (1 << width)):
         raise ValueError(f"values outside [0, 2^{width})")
     lead, count = v.shape[:-1], v.shape[-1] if v.ndim else 1
     v = v.reshape(*lead, count)
