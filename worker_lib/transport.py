@@ -53,7 +53,7 @@ import numpy as np
 
 from worker_lib.batch_io import BatchSocket, sockaddr_to_tuple
 from worker_lib.job import JobConfig
-from worker_lib.pacing import Pacer, extend_loss_runs
+from worker_lib.pacing import BURST_RUN, Pacer, extend_loss_runs
 from worker_lib.resend_timers import due_uses
 from worker_lib.result_intake import has_notice, take_results
 from worker_lib.udp_offload import GSO_BYTES, GSO_SEGMENTS, SOL_UDP, UDP_SEGMENT, gso_available
@@ -492,10 +492,18 @@ class Transport:
             (``worker_lib.resend_timers``: by its timer, or by RACK for a use sent before one answered)."""
             pacer = self.pacer
             rack = rack_use if early else -1
-            n, n_early, next_at = due_uses(
-                base, nxt, now, sent_at, heard_since, tries, done, early and pacer.rtt is not None,
-                pacer.base_rto(), pacer.backoff_cap(), pacer.backoff_cap(now - last_answer), pacer.max_timeout,
-                rack_sent, rack, rack_rtt, pacer.reorder_margin() if rack >= 0 else 0.0, due_buf)
+            from_heard = early and pacer.rtt is not None
+            args = (base, nxt, now, sent_at, heard_since, tries, done, from_heard, pacer.base_rto(),
+                    pacer.backoff_cap(), pacer.backoff_cap(now - last_answer), pacer.max_timeout, rack_sent, rack,
+                    rack_rtt, pacer.reorder_margin() if rack >= 0 else 0.0, due_buf)
+            n, n_early, next_at = due_uses(*args)
+            silent = now - last_answer >= pacer.base_rto() / 2
+            if from_heard and nxt < count and silent and n - n_early > BURST_RUN:
+                # A stalled path, not a burst of losses (pacing.py, "Probing"): the open uses count as
+                # unheard since their sends until it speaks, and the oldest probes it alone. At the end
+                # of an exchange, where a loss has no later answers to show it, every use due is resent.
+                heard_since[base + 1:nxt] = math.inf
+                n, n_early, next_at = due_uses(*args)
             return due_buf[:n], n_early, next_at
 
         def room(base: int, nxt: int) -> int:
