@@ -2,7 +2,13 @@
 
 encode = norm + RHT (sign generation included: every step has new signs) + clamp + stochastic
          quantization onto the table + b-bit packing
-decode = unpacking b-bit indices + table lookup (the sums of a single worker) + scaling + inverse RHT
+decode = taking the aggregator's result payload into the sums array, as the transport does (8-bit sums
+         as uint8) + scaling + inverse RHT
+
+The result payload is a single worker's sums, the table values of its indices, computed between the
+two timings and not counted: the switch or the aggregator computes them, not the worker (their cost
+is ``benchmarks/aggregator.py``'s; before 2026-11-27's fifth session, decode counted an unpack and a
+table lookup here as well, 1.4 ms of the 2.5 ms decode at 2^20).
 
 The break-even link rate is the bandwidth at which the bits THC saves upstream, (w - b) per
 coordinate for gradients of w bits (32 for float32, 16 for float16 and bfloat16), take as long to send
@@ -34,6 +40,7 @@ import torch
 
 from worker_lib.cli.args import FLOAT_DTYPES, int_in
 from worker_lib.thc import THCCodec, THCConfig, THCWorker
+from worker_lib.thc.codec import finite_norm
 from worker_lib.thc.hadamard import have_fht_cpu
 from worker_lib.thc.quantize import unpack_indices
 from worker_lib.thc.signs import SignKey
@@ -56,7 +63,10 @@ def measure(config: THCConfig, dim: int, repeats: int, device: torch.device,
     # the receive side's own buffers, as a training loop reuses them every step
     padded = buffers.rht.padded
     received = torch.empty(padded, dtype=torch.uint8, device=device)
-    sums = torch.empty(padded, dtype=torch.int32, device=device)
+    # one worker's sums need 8 bits up to g = 255, and the transport then keeps them as uint8
+    sums_type = torch.uint8 if config.granularity <= 255 else torch.int32
+    result = torch.empty(padded, dtype=sums_type, device=device)
+    sums = torch.empty(padded, dtype=sums_type, device=device)
     est = torch.empty(dim, dtype=torch.float32, device=device)
     out = est if dtype == torch.float32 else torch.empty(dim, dtype=dtype, device=device)
     enc_times, dec_times = [], []
@@ -65,21 +75,24 @@ def measure(config: THCConfig, dim: int, repeats: int, device: torch.device,
         _sync(device)
         t0 = time.perf_counter()
         flat = x.to(torch.float32)
-        norm = float(torch.linalg.vector_norm(flat))
-        enc = codec.encode(flat, norm, key, buffers)
+        norm = finite_norm(flat)  # as a worker does: its norm once, then the rotation and quantization
+        enc = codec.quantize_rotated(codec.rotate(flat, key, buffers), norm, dim, buffers)
         payload = enc.packed()
         _sync(device)
         t1 = time.perf_counter()
-        indices = unpack_indices(payload, config.bits, padded, out=received)
-        torch.index_select(values, 0, indices.to(torch.int32), out=sums)
+        indices = unpack_indices(payload, config.bits, padded, out=received)  # the aggregator's work
+        result.copy_(values[indices.to(torch.int64)])
+        _sync(device)
+        t2 = time.perf_counter()
+        sums.copy_(result)
         codec.decode(sums, 1, enc.scale, dim, key, buffers, out=est)
         if out is not est:
             out.copy_(est)
         _sync(device)
-        t2 = time.perf_counter()
+        t3 = time.perf_counter()
         if step >= 3:  # warm-up excluded
             enc_times.append(t1 - t0)
-            dec_times.append(t2 - t1)
+            dec_times.append(t3 - t2)
     xf, of = x.double(), out.double()
     nmse = float(torch.sum((of - xf) ** 2) / torch.sum(xf ** 2))
     enc_s, dec_s = statistics.median(enc_times), statistics.median(dec_times)

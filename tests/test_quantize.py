@@ -107,15 +107,19 @@ def test_lookup_sum_against_loop():
 
 def splitmix_uniforms(key: int, n: int) -> np.ndarray:
     """SplitMix64's finaliser over a Weyl sequence (Steele, Lea and Flood), written here with Python
-    integers: the top 24 bits of step i + 1, as a float32 fraction."""
+    integers, two 24-bit float32 fractions per output: in each block of 1024 positions, output m of the
+    block (m < 512) gives its top 24 bits to position m and its bits 16..39 to position m + 512."""
     mask = (1 << 64) - 1
     out = np.empty(n, np.float32)
     for i in range(n):
-        z = (key + (i + 1) * 0x9E3779B97F4A7C15) & mask
+        block, r = divmod(i, 1024)
+        step = block * 512 + r % 512 + 1
+        z = (key + step * 0x9E3779B97F4A7C15) & mask
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
         z ^= z >> 31
-        out[i] = (z >> 40) / float(1 << 24)
+        bits = z >> 40 if r < 512 else (z >> 16) & 0xFFFFFF
+        out[i] = bits / float(1 << 24)
     return out
 
 
@@ -128,7 +132,8 @@ def test_compiled_cpu_pass_is_the_torch_quantizer(bits: int, g: int) -> None:
 
     table = solve_table(bits, g, 1 / 32)
     q = TableQuantizer(table)
-    x = torch.randn(4099, generator=torch.Generator().manual_seed(bits)) * 2  # beyond +-M as well
+    # 4 whole blocks and a partial one of 903 (beyond half a block): both of the pass's ways to draw
+    x = torch.randn(4999, generator=torch.Generator().manual_seed(bits)) * 2  # beyond +-M as well
     m, key = 3.0, 0x1234_5678_9ABC_DEF0
     u = splitmix_uniforms(key, x.numel())
     assert np.array_equal(fused.uniforms(np.uint64(key), x.numel()), u)
@@ -138,6 +143,28 @@ def test_compiled_cpu_pass_is_the_torch_quantizer(bits: int, g: int) -> None:
                         np.uint64(key), out)
     want = q.quantize(to_grid(x, -m, m, g), torch.from_numpy(u.copy())).numpy()
     assert np.array_equal(out, want)
+
+
+def test_compiled_uniforms_are_uniform_and_uncorrelated() -> None:
+    """The pass's uniforms, two per hash output: each half of a block is uniform over [0, 1) (chi-square
+    over 64 bins, below the 0.999 quantile) and the two uniforms of one output, like neighbours, are
+    uncorrelated (|r| under 4 standard errors)."""
+    from scipy import stats
+
+    from worker_lib.thc import fused
+
+    u = fused.uniforms(np.uint64(0xDEAD_BEEF_0123_4567), 1 << 20).astype(np.float64)
+    blocks = u.reshape(-1, 1024)
+    first, second = blocks[:, :512].ravel(), blocks[:, 512:].ravel()
+    limit = stats.chi2.ppf(0.999, 63)
+    for half in (first, second):
+        counts = np.bincount((half * 64).astype(int), minlength=64)
+        expected = half.size / 64
+        assert ((counts - expected) ** 2 / expected).sum() < limit
+        assert half.min() >= 0 and half.max() < 1
+    bound = 4 / np.sqrt(first.size)
+    assert abs(np.corrcoef(first, second)[0, 1]) < bound
+    assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < bound
 
 
 def test_compiled_cpu_pass_is_unbiased() -> None:
