@@ -93,7 +93,9 @@ def test_compiled_rotation_is_the_torch_composition_bit_for_bit(d):
     """On the CPU in float32 the RHT's sign flips, padding, normalisation and subtraction run as compiled
     passes over the key's sign words; every output equals, bit for bit, the composition of torch
     operations with the materialised float signs (``rademacher``, itself checked against the spec) around
-    the same fht-cpu transform: forward, inverse, inverse into a destination, and x - RHT^-1(y)."""
+    the same fht-cpu transform: forward (normalised before the transform where D = 4^k, after it
+    otherwise: both kinds of D are among the lengths), forward of a sum, inverse, inverse into a
+    destination, and x - RHT^-1(y)."""
     key = SignKey.derive(7, d, 3)
     padded = next_pow2(d)
     signs = rademacher(key, padded)
@@ -106,6 +108,21 @@ def test_compiled_rotation_is_the_torch_composition_bit_for_bit(d):
     torch.mul(x, signs[:d], out=want_fwd[:d])
     want_fwd = fwht(want_fwd, backend="fht-cpu", inplace=True)
     assert torch.equal(rht.forward(x), want_fwd)
+
+    # the gradient plus its error feedback, summed and rotated in one pass (into one of the addends too)
+    a, b = torch.randn(d, generator=gen), torch.randn(d, generator=gen)
+    total = torch.add(a, b)
+    want_sum = torch.zeros(padded)
+    torch.mul(total, signs[:d], out=want_sum[:d])
+    want_sum = fwht(want_sum, backend="fht-cpu", inplace=True)
+    x_out, rotated = torch.full((d,), 9.0), torch.full((padded,), 9.0)
+    assert rht.forward_sum(a, b, x_out, rotated) is rotated and torch.equal(rotated, want_sum)
+    assert torch.equal(x_out, total)
+    assert torch.equal(rht.forward_sum(a, b, a), want_sum) and torch.equal(a, total)
+    first, second = total - b, b.clone()  # the torch path, into the second addend
+    slow = RandomizedHadamard(d, key, backend="torch")
+    assert torch.allclose(slow.forward_sum(first, second, second), want_sum, atol=1e-5)
+    assert torch.equal(second, first + b)
 
     want_inv = fwht(y.clone(), backend="fht-cpu", inplace=True).mul_(signs)[:d]
     assert torch.equal(rht.inverse(y), want_inv)

@@ -165,6 +165,13 @@ class THCCodec:
         buf = buffers.use(key) if buffers else self._default(x.numel(), key)
         return buf.rht.forward(x, out=buf.ws.rotated)
 
+    def rotate_sum(self, a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, key: SignKey,
+                   buffers: TensorBuffers) -> torch.Tensor:
+        """x = a + b (flat float32, x may be a or b) and its RHT into the buffers' ``rotated``, in one
+        compiled pass over memory where the CPU path applies (``RandomizedHadamard.forward_sum``)."""
+        buf = buffers.use(key)
+        return buf.rht.forward_sum(a, b, x, out=buf.ws.rotated)
+
     def quantize_rotated(self, rotated: torch.Tensor, max_norm: float, length: int,
                          buffers: TensorBuffers) -> Encoded:
         """Clamp, stochastically quantize and map to table indices an already rotated vector."""
@@ -334,12 +341,13 @@ class THCWorker:
         if error is None and not own:
             norm = finite_norm(flat)  # checked before the tensor's buffer changes
             st.x.copy_(flat)
+            self.codec.rotate(st.x, key, st.buffers)
         else:
             if error is not None and error.shape != (flat.numel(),):
                 raise ValueError(f"the error feedback has shape {tuple(error.shape)}, the gradient {flat.numel()} "
                                  "coordinates")
-            # into the tensor's buffer: no new 4 bytes per coordinate
-            torch.add(flat, st.error if error is None else error, out=st.x)
+            # the sum into the tensor's buffer (no new 4 bytes per coordinate), rotated in the same pass
+            self.codec.rotate_sum(flat, st.error if error is None else error, st.x, key, st.buffers)
             # one norm, of what is rotated (the gradient's own is computed only to name a bad gradient)
             try:
                 norm = finite_norm(st.x, "the gradient plus its error feedback")
@@ -348,7 +356,6 @@ class THCWorker:
                 finite_norm(flat)
                 raise
         st.key, st.shape, st.dtype, st.encoded, st.norm = key, grad.shape, grad.dtype, None, norm
-        self.codec.rotate(st.x, key, st.buffers)
         return st.norm
 
     def compress(self, tensor: int, max_norm: float) -> Encoded:

@@ -146,15 +146,36 @@ def _sign(word: np.int64, k: int) -> np.float32:
 
 
 @njit(cache=True, nogil=True)
-def signs_pad_into(x: np.ndarray, words: np.ndarray, out: np.ndarray) -> None:
-    """out[i] = s_i * x[i] for i < x.size and 0 beyond (the RHT's sign flip and zero padding in one pass)."""
+def signs_pad_into(x: np.ndarray, words: np.ndarray, c: np.float32, out: np.ndarray) -> None:
+    """out[i] = (x[i] * s_i) * c for i < x.size and 0 beyond (the RHT's sign flip, zero padding and a
+    power-of-two normalisation, ``hadamard.RandomizedHadamard.forward``, in one pass)."""
     n = x.size
     for j in range(n // 32):
         w, b = np.int64(words[j]), j * 32
         for k in range(32):
-            out[b + k] = x[b + k] * _sign(w, k)
+            out[b + k] = (x[b + k] * _sign(w, k)) * c
     for i in range(n - n % 32, n):
-        out[i] = x[i] * _sign(np.int64(words[i >> 5]), i & 31)
+        out[i] = (x[i] * _sign(np.int64(words[i >> 5]), i & 31)) * c
+    for i in range(n, out.size):
+        out[i] = np.float32(0.0)
+
+
+@njit(cache=True, nogil=True)
+def sum_signs_pad_into(a: np.ndarray, b: np.ndarray, words: np.ndarray, c: np.float32, x: np.ndarray,
+                       out: np.ndarray) -> None:
+    """x[i] = a[i] + b[i] and out[i] = (x[i] * s_i) * c, 0 beyond x.size: the gradient plus its error
+    feedback and its sign flip in one pass (``forward_sum``); x may be a or b."""
+    n = x.size
+    for j in range(n // 32):
+        w, base = np.int64(words[j]), j * 32
+        for k in range(32):
+            v = a[base + k] + b[base + k]
+            x[base + k] = v
+            out[base + k] = (v * _sign(w, k)) * c
+    for i in range(n - n % 32, n):
+        v = a[i] + b[i]
+        x[i] = v
+        out[i] = (v * _sign(np.int64(words[i >> 5]), i & 31)) * c
     for i in range(n, out.size):
         out[i] = np.float32(0.0)
 
