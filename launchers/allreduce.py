@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--p", type=fraction, default=1 / 32)
     p.add_argument("--slots", type=int_in(1, 65536), default=128)
     p.add_argument("--elems", type=int_in(1, 65535),
-                   help="indices per packet K (default: largest fitting the MTU, <= 1024)")
+                   help="indices per packet K (default: the largest whose results fit the MTU: 1440 at 1500 bytes)")
     p.add_argument("--mtu", type=int_in(68, 65535), default=1500,
                    help="path MTU the job's packets must fit (9000: jumbo frames)")
     p.add_argument("--seed", type=int_in(0, (1 << 32) - 1), default=0)

@@ -154,7 +154,12 @@ def test_worker_killed_mid_step(threshold: int) -> None:
             assert np.array_equal(r.sums, first.sums) and np.array_equal(r.bitmap, first.bitmap)
         assert not first.lost.any() and (first.contributors >= 3).all()
         assert (first.bitmap == 0b1111).any() or (first.contributors == 3).all()
-        per_worker = np.stack([table[idx[w].astype(np.int64)] for w in range(4)]).reshape(4, -1, cfg.elems)
+        # the last chunk is padded with index 0, whose table value is 0 (K = 1440 does not divide D)
+        chunks = first.sums.shape[0]
+        assert table[0] == 0 and chunks == -(-D // cfg.elems)
+        per_worker = np.zeros((4, chunks * cfg.elems), np.int64)
+        per_worker[:, :D] = np.stack([table[idx[w].astype(np.int64)] for w in range(4)])
+        per_worker = per_worker.reshape(4, chunks, cfg.elems)
         members = (first.bitmap[None, :] >> np.arange(4)[:, None]) & 1  # (4, chunks)
         expect = (per_worker * members[:, :, None]).sum(axis=0)
         assert np.array_equal(first.sums, expect)

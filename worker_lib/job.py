@@ -55,8 +55,9 @@ class JobConfig:
     """One job: identity, secret, workers, completion threshold, codec and register geometry.
 
     ``threshold`` defaults to ``workers``; ``result_bits`` to the smallest of 8/16/32 that holds
-    g * n; ``elems`` (K, indices per packet) to the largest multiple of 8 up to 1024 whose result
-    packet fits ``mtu``.
+    g * n; ``elems`` (K, indices per packet) to the largest multiple of 8 whose result packet fits
+    ``mtu`` (1440 at 1500 bytes with 8-bit results: every datagram costs the worker, the kernel and
+    the aggregator about the same whatever its size, so the fewer the better).
 
     ``kind="dar"`` (decompress-aggregate-recompress, software aggregator only): ``codec`` is a
     non-homomorphic codec name of ``worker_lib.codecs`` (``CodecKind.DAR``), ``length`` the tensor
@@ -160,7 +161,7 @@ class JobConfig:
         room = self.mtu - IP_UDP_OVERHEAD - HEADER_BYTES
         per = self.result_bits // 8
         if self.elems is None:
-            k = min(1024, (room // per) // 8 * 8)
+            k = min(65528, (room // per) // 8 * 8)
             if k < 8:
                 raise JobConfigError(f"job {self.job}: mtu {self.mtu} leaves no room for 8 results")
             object.__setattr__(self, "elems", k)
