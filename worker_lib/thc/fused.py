@@ -31,7 +31,7 @@ _S30, _S27, _S31, _S40 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(
 _INV24 = np.float32(1.0 / (1 << 24))
 
 
-#: Coordinates per block of ``quantize_into``'s two loops (12 KiB of block buffers: they stay in L1).
+#: Coordinates per block of ``quantize_into``'s loops (12 KiB of block buffers: they stay in L1).
 BLOCK = 1024
 _HALF = BLOCK // 2
 _LOW24 = np.uint64(0xFFFFFF)
