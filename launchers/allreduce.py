@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import multiprocessing as mp
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +51,9 @@ class RunSpec:
     retries: int = 3
     pcap: Path | None = None  #: per-worker captures (FILE.worker<w>.pcap) when the aggregator is not ours
     leaf_addresses: list[tuple[str, int]] | None = None  #: two tiers: leaf l's address (the workers' aggregators)
+
+
+WORKER_MODULES = ("torch", "worker_lib.allreduce", "worker_lib.thc", "worker_lib.transport")
 
 
 def gradient(seed: int, worker: int, dim: int, step: int):  # -> torch.Tensor
@@ -232,6 +237,11 @@ def run(args: argparse.Namespace) -> dict:
     job = JobConfig(job=args.job, key=args.key, workers=args.workers, threshold=args.threshold, bits=args.bits,
                     granularity=args.granularity, p=args.p, slots=args.slots, elems=args.elems,
                     multicast=args.multicast, mtu=args.mtu, leaves=leaves)
+    # torch, the codec and the transport are imported once, in this process, while the aggregators start:
+    # imported in each forked worker instead, they cost seconds of CPU per worker.
+    preload = threading.Thread(target=lambda: [importlib.import_module(m) for m in WORKER_MODULES],
+                               name="thc-preload", daemon=True)
+    preload.start()
     with tempfile.TemporaryDirectory(prefix="thc-allreduce-") as tmp, contextlib.ExitStack() as stack:
         leaf_addresses = None
         if args.parent_loss and not job.tiered:
@@ -252,6 +262,7 @@ def run(args: argparse.Namespace) -> dict:
         spec = RunSpec(job, members, args.shards, args.dim, args.steps, args.seed, args.loss_policy,
                        args.drop_up, args.drop_down, args.timeout, args.deadline, tmp, args.multicast, args.retries,
                        args.pcap if args.aggregator else None, leaf_addresses)
+        preload.join()  # no thread may run across the fork
         ctx = mp.get_context("fork")
         barrier = ctx.Barrier(args.workers)
         procs = [ctx.Process(target=_worker, args=(spec, w, barrier), name=f"thc-worker{w}")

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from aggregator.cli import main as cli_main
 from launchers.aggregator_process import listening_port, stop_process
 from worker_lib.job import JobConfig, JobConfigError, load_jobs, parse_job_spec
 from worker_lib.thc import lookup_sum
@@ -309,6 +310,7 @@ def test_control_commands_add_list_remove() -> None:
             norm_roundtrip(port, cfg, deadline=0.3)
 
 
+@pytest.mark.alone  # measures the gaps between answers
 def test_control_and_reload_never_stall_a_running_job(tmp_path: Path) -> None:
     """While job 11 exchanges without pause, a job whose table takes seconds to solve is added over
     the control socket, a dar job is added, one is removed, and a config file with another slow table
@@ -412,9 +414,22 @@ def test_control_socket_is_private_and_token_checked(tmp_path: Path) -> None:
     (["--host", "10.255.255.1"], "cannot bind UDP 10.255.255.1"),
     (["--pcap", "/nonexistent/a.pcap"], "cannot write the pcap file"),
 ])
-def test_every_bad_cli_input_is_one_line(argv: list[str], says: str) -> None:
-    """Out-of-range and malformed options and job specs: one line on stderr, no traceback, exit 1 or 2."""
-    r = subprocess.run([sys.executable, "-m", "aggregator.cli", *argv], capture_output=True, text=True, timeout=30)
-    lines = [ln for ln in r.stderr.splitlines() if not ln.startswith("usage:") and not ln.startswith("  ")]
-    assert r.returncode in (1, 2) and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
+def test_every_bad_cli_input_is_one_line(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Out-of-range and malformed options and job specs: one line on stderr, no traceback, exit 1 or 2.
+    In this process (an interpreter per case cost a second each); the next test runs the command."""
+    try:
+        code = cli_main(argv)
+    except SystemExit as exited:
+        code = exited.code
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if not ln.startswith("usage:") and not ln.startswith("  ")]
+    assert code in (1, 2) and "Traceback" not in err and len(lines) == 1, err
     assert says in lines[0], lines[0]
+
+
+def test_the_command_refuses_in_one_line() -> None:
+    """``python -m aggregator.cli`` hands the refusal's exit status and line to the shell."""
+    r = subprocess.run([sys.executable, "-m", "aggregator.cli", "--port", "70000"], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.splitlines()[-1].endswith("--port: must be in 0..65535, got 70000"), r.stderr

@@ -3,10 +3,15 @@
 Every value here is refused before a benchmark starts (at parse time, or by the checks right after it), so
 no case runs a benchmark. As a safety belt against a regression that would start one anyway, PATH holds
 only the interpreter's folder: no ip, tc, nft, p4c or switch to build namespaces or start BMv2 with.
+
+Each case calls the module's ``main`` in this process (a new interpreter per case cost 2-4 s of torch
+imports, two minutes for the table); one case per module runs ``python -m`` as a user would, for the exit
+status the module hands the shell.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -105,15 +110,42 @@ CASES = [
 ]
 
 
+def one_line_refusal(code: object, stderr: str, says: str) -> None:
+    """Exit 1 or 2, no traceback, one line (argparse's usage aside) that contains ``says``."""
+    lines = [ln for ln in stderr.splitlines() if not ln.startswith("usage:") and not ln.startswith("  ")]
+    assert code in (1, 2) and "Traceback" not in stderr and len(lines) == 1, stderr
+    assert says in lines[0], lines[0]
+
+
 @pytest.mark.parametrize("module, argv, says", CASES, ids=[f"{m}:{','.join(a)}" for m, a, _ in CASES])
-def test_every_bad_benchmark_option_is_one_line(module: str, argv: list[str], says: str) -> None:
+def test_every_bad_benchmark_option_is_one_line(module: str, argv: list[str], says: str,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
     """Out-of-range and malformed options: exit 1 or 2, no traceback, one line naming the option or problem."""
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
+    main = importlib.import_module(f"benchmarks.{module}").main
+    try:
+        code = main(argv)
+    except SystemExit as exited:
+        code = exited.code
+    err = capsys.readouterr().err
+    if isinstance(code, str):  # sys.exit("message"): the interpreter would print it and exit 1
+        code, err = 1, err + code + "\n"
+    one_line_refusal(code, err, says)
+
+
+FIRST_CASE = {m: (a, s) for m, a, s in reversed(CASES)}
+
+
+@pytest.mark.parametrize("module", sorted(FIRST_CASE))
+def test_python_dash_m_exits_with_the_refusal(module: str) -> None:
+    """``python -m benchmarks.<module>`` with the module's first bad case: the shell sees the same exit status
+    and line as the in-process call."""
+    argv, says = FIRST_CASE[module]
     env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
     r = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *argv], capture_output=True, text=True,
                        timeout=60, cwd=ROOT, env=env)
-    lines = [ln for ln in r.stderr.splitlines() if not ln.startswith("usage:") and not ln.startswith("  ")]
-    assert r.returncode in (1, 2) and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
-    assert says in lines[0], lines[0]
+    one_line_refusal(r.returncode, r.stderr, says)
 
 
 @pytest.mark.parametrize("mode, workers, expected", [

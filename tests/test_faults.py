@@ -22,6 +22,9 @@ from worker_lib.job import JobConfig
 from worker_lib.thc import lookup_sum
 from worker_lib.transport import AggregatorUnreachable, Transport, TransportConfig, UseResults
 
+# Deadlines of seconds, and a free port looked up before the aggregator binds it: alone.
+pytestmark = pytest.mark.alone
+
 D = 1 << 20
 DEADLINE = 2.0
 

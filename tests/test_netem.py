@@ -52,6 +52,7 @@ def test_config_errors() -> None:
         NetemConfig(prefix="x" * 11)
 
 
+@pytest.mark.alone  # measures a rate
 @needs_root
 @pytest.mark.parametrize("qdisc", ["tbf", "htb"])
 def test_links_are_shaped(qdisc: str) -> None:

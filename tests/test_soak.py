@@ -10,6 +10,9 @@ import pytest
 from benchmarks.soak import soak, soak_netns
 from topologies.netem import require_root
 
+# Memory growth and counters over a run of fixed length: alone.
+pytestmark = pytest.mark.alone
+
 
 def test_short_soak_through_a_hostile_relay() -> None:
     res = soak(argparse.Namespace(minutes=0.1, dim=1 << 14, drop=0.02, dup=0.02, reorder=0.03, max_growth_mib=16.0))

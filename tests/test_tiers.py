@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from aggregator.cli import main as cli_main
 from aggregator.engine import Aggregator
 from aggregator.leaf_engine import LeafEngine
 from aggregator.state import ReferenceAggregator
@@ -369,8 +370,9 @@ def test_thc_allreduce_over_two_tiers_is_exact_with_loss_on_every_link(leaf_engi
     (["--role", "spine", "--job", "leaves=2:2", "--engine", "numpy"], "a spine runs the reference"),
     (["--job", "workers=2", "--engine", "reference"], "engine must be compiled or numpy"),
 ])
-def test_thc_aggregator_roles_refuse_what_they_cannot_serve_in_one_line(args: list[str], message: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "aggregator.cli", "--port", "0", *args], capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 2
-    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+def test_thc_aggregator_roles_refuse_what_they_cannot_serve_in_one_line(args: list[str], message: str,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """thc-aggregator's main in this process (tests/test_aggregator.py runs the command itself)."""
+    assert cli_main(["--port", "0", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err

@@ -25,6 +25,9 @@ from worker_lib.udp_offload import gso_available
 from worker_lib.wire import Header
 from worker_lib.wire.protocol import Counter
 
+# Timeouts of a fraction of a second, and what was resent before them: alone, not beside another test.
+pytestmark = pytest.mark.alone
+
 K = 64
 
 
