@@ -2,8 +2,9 @@
 
 The suite runs in parallel (pyproject.toml: ``-n auto --dist loadfile``, each file on one worker, so a
 file's module fixtures are built once). Most tests wait on processes and sockets more than they compute,
-but a few measure time (a rate, a gap between answers, a deadline) or use names in the root network
-namespace (Mininet's interfaces): those carry ``@pytest.mark.alone`` and run while no other test runs.
+but a few measure time (a rate, a gap between answers, a deadline) or need a reader to keep up with a
+burst: those carry ``@pytest.mark.alone`` and run while no other test runs. (Mininet's interface names
+in the root namespace need no lock: every Mininet test is in tests/test_topologies.py, on one worker.)
 Every other test holds a shared lock on one file for its whole run (setup to teardown), an ``alone``
 test an exclusive one (flock(2)). The controller makes the file and names it to its workers in
 ``THC_TEST_LOCK``; in one process nothing is locked.

@@ -159,6 +159,7 @@ def test_token_protected_udp_control(udp_channel: Channel) -> None:
     assert udp_channel.ch.counts == {"control_commands": 2, "control_refused": 4}
 
 
+@pytest.mark.alone  # the reader must keep up with 5,000 datagrams sent in a burst
 def test_a_flood_of_refused_datagrams_is_answered_within_budget(udp_channel: Channel) -> None:
     """Thousands of unauthenticated datagrams: counted, at most ~REFUSALS_PER_S answered per second,
     and the owner's command still goes through."""

@@ -115,7 +115,6 @@ def test_star_on_namespaces_end_to_end(tmp_path) -> None:
     assert list((tmp_path / "switch" / "pcap").glob("s*_in.pcap")), "per-port pcaps were not written"
 
 
-@pytest.mark.alone  # Mininet's interfaces are named in the root namespace
 def test_star_in_mininet_end_to_end(tmp_path) -> None:
     """``python -m topologies.star --workers 4`` in Mininet: allreduce check PASS and pingAll without loss."""
     _need_switch_tools()
@@ -131,7 +130,6 @@ def test_star_in_mininet_end_to_end(tmp_path) -> None:
     assert "s1-eth" not in links, "Mininet left switch interfaces behind"
 
 
-@pytest.mark.alone  # Mininet's interfaces are named in the root namespace
 @pytest.mark.parametrize("spine", ["python", "bmv2"])
 def test_tree_in_mininet_is_exact_with_loss_on_a_leaf_spine_link(tmp_path, spine: str) -> None:
     """``python -m topologies.tree --spine-loss 0.1 [--bmv2-spine]``: two BMv2 leaves of four workers under
