@@ -21,6 +21,7 @@ import pytest
 
 from aggregator.cli import main as cli_main
 from launchers.aggregator_process import listening_port, stop_process
+from tests.cli_support import assert_one_line_refusal, call_main
 from worker_lib.job import JobConfig, JobConfigError, load_jobs, parse_job_spec
 from worker_lib.thc import lookup_sum
 from worker_lib.transport import Transport, TransportConfig
@@ -417,14 +418,7 @@ def test_control_socket_is_private_and_token_checked(tmp_path: Path) -> None:
 def test_every_bad_cli_input_is_one_line(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Out-of-range and malformed options and job specs: one line on stderr, no traceback, exit 1 or 2.
     In this process (an interpreter per case cost a second each); the next test runs the command."""
-    try:
-        code = cli_main(argv)
-    except SystemExit as exited:
-        code = exited.code
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if not ln.startswith("usage:") and not ln.startswith("  ")]
-    assert code in (1, 2) and "Traceback" not in err and len(lines) == 1, err
-    assert says in lines[0], lines[0]
+    assert_one_line_refusal(*call_main(cli_main, argv, capsys), says)
 
 
 def test_the_command_refuses_in_one_line() -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_support import assert_one_line_refusal, call_main
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CASES = [
@@ -110,28 +112,13 @@ CASES = [
 ]
 
 
-def one_line_refusal(code: object, stderr: str, says: str) -> None:
-    """Exit 1 or 2, no traceback, one line (argparse's usage aside) that contains ``says``."""
-    lines = [ln for ln in stderr.splitlines() if not ln.startswith("usage:") and not ln.startswith("  ")]
-    assert code in (1, 2) and "Traceback" not in stderr and len(lines) == 1, stderr
-    assert says in lines[0], lines[0]
-
-
 @pytest.mark.parametrize("module, argv, says", CASES, ids=[f"{m}:{','.join(a)}" for m, a, _ in CASES])
 def test_every_bad_benchmark_option_is_one_line(module: str, argv: list[str], says: str,
                                                 monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """Out-of-range and malformed options: exit 1 or 2, no traceback, one line naming the option or problem."""
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
-    main = importlib.import_module(f"benchmarks.{module}").main
-    try:
-        code = main(argv)
-    except SystemExit as exited:
-        code = exited.code
-    err = capsys.readouterr().err
-    if isinstance(code, str):  # sys.exit("message"): the interpreter would print it and exit 1
-        code, err = 1, err + code + "\n"
-    one_line_refusal(code, err, says)
+    assert_one_line_refusal(*call_main(importlib.import_module(f"benchmarks.{module}").main, argv, capsys), says)
 
 
 FIRST_CASE = {m: (a, s) for m, a, s in reversed(CASES)}
@@ -145,7 +132,7 @@ def test_python_dash_m_exits_with_the_refusal(module: str) -> None:
     env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
     r = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *argv], capture_output=True, text=True,
                        timeout=60, cwd=ROOT, env=env)
-    one_line_refusal(r.returncode, r.stderr, says)
+    assert_one_line_refusal(r.returncode, r.stderr, says)
 
 
 @pytest.mark.parametrize("mode, workers, expected", [

@@ -18,6 +18,7 @@ from aggregator.engine import Aggregator
 from aggregator.leaf_engine import LeafEngine
 from aggregator.state import ReferenceAggregator
 from aggregator.tiers import Dest, LeafAggregator, SpineAggregator
+from tests.cli_support import call_main
 from tests.scenarios import TIER_SCENARIOS, check_tier_answer, scenario_packet
 from worker_lib.job import JobConfig, JobConfigError, job_from_mapping, parse_job_spec
 from worker_lib.wire import Header, PacketType, float_bits, pack_bits
@@ -373,6 +374,6 @@ def test_thc_allreduce_over_two_tiers_is_exact_with_loss_on_every_link(leaf_engi
 def test_thc_aggregator_roles_refuse_what_they_cannot_serve_in_one_line(args: list[str], message: str,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     """thc-aggregator's main in this process (tests/test_aggregator.py runs the command itself)."""
-    assert cli_main(["--port", "0", *args]) == 2
-    err = capsys.readouterr().err
+    code, err = call_main(cli_main, ["--port", "0", *args], capsys)
+    assert code == 2
     assert message in err and len(err.strip().splitlines()) == 1, err
