@@ -40,7 +40,6 @@ import torch
 
 from worker_lib.cli.args import FLOAT_DTYPES, int_in
 from worker_lib.thc import THCCodec, THCConfig, THCWorker
-from worker_lib.thc.codec import finite_norm
 from worker_lib.thc.hadamard import have_fht_cpu
 from worker_lib.thc.quantize import unpack_indices
 from worker_lib.thc.signs import SignKey
@@ -75,8 +74,9 @@ def measure(config: THCConfig, dim: int, repeats: int, device: torch.device,
         _sync(device)
         t0 = time.perf_counter()
         flat = x.to(torch.float32)
-        norm = finite_norm(flat)  # as a worker does: its norm once, then the rotation and quantization
-        enc = codec.quantize_rotated(codec.rotate(flat, key, buffers), norm, dim, buffers)
+        # as a worker does: the rotation with its norm (one pass on the CPU), then the quantization
+        rotated, norm = codec.rotate_norm(flat, key, buffers)
+        enc = codec.quantize_rotated(rotated, norm, dim, buffers)
         payload = enc.packed()
         _sync(device)
         t1 = time.perf_counter()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from worker_lib.codecs.bits import float_bytes, read_floats, width_for
 from worker_lib.thc.quantize import pack_indices
-from worker_lib.wire.bits import pack_bits, unpack_bits
+from worker_lib.wire.bits import pack_bits, pack_padded_rows, unpack_bits
 
 
 def reference_pack(values: list[int], width: int) -> bytes:
@@ -43,6 +43,32 @@ def test_packets_of_whole_bytes_pack_row_by_row(width: int) -> None:
     assert packed.shape == (5, 48 * width // 8)
     for row, got in zip(rows, packed, strict=True):
         assert got.tobytes() == reference_pack(row.tolist(), width)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from([1, 2, 3, 4, 8]), st.sampled_from([1, 3, 8, 12, 24, 1440]), st.integers(1, 5),
+       st.data())
+def test_padded_rows_pack_each_row_as_its_own_bit_string(width: int, count: int, rows: int, data) -> None:
+    """``pack_padded_rows`` (the transport's packets of indices) gives every row the bit string of its own
+    fields, the fields past the input zero, whether the rows are whole bytes (the straight pass) or not."""
+    size = data.draw(st.integers(0, rows * count))
+    rng = np.random.default_rng(size * 7 + width)
+    fields = rng.integers(0, 1 << width, size, dtype=np.uint8)
+    packed = pack_padded_rows(fields, width, rows, count)
+    full = np.zeros(rows * count, np.int64)
+    full[:size] = fields
+    assert packed.shape == (rows, math.ceil(count * width / 8))
+    for r in range(rows):
+        assert packed[r].tobytes() == reference_pack(full[r * count:(r + 1) * count].tolist(), width)
+
+
+def test_padded_rows_refuse_what_does_not_fit() -> None:
+    with pytest.raises(ValueError, match="outside"):
+        pack_padded_rows(np.array([1, 16], np.uint8), 4, 1, 8)
+    with pytest.raises(ValueError, match="outside"):  # not wrapped to 0 by a cast to uint8
+        pack_padded_rows(np.array([1, 256]), 4, 1, 8)
+    with pytest.raises(ValueError, match="do not fit"):
+        pack_padded_rows(np.zeros(9, np.uint8), 4, 1, 8)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 7, 8])

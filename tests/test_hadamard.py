@@ -87,6 +87,11 @@ def test_bad_inputs():
         next_pow2(0)
 
 
+def exact_norm(x: torch.Tensor) -> float:
+    """The norm of x from Python's exactly rounded float sum of the squares (math.fsum)."""
+    return math.sqrt(math.fsum(v * v for v in x.double().tolist()))
+
+
 @needs_fht_cpu
 @pytest.mark.parametrize("d", [1, 5, 32, 33, 1000, 4099])
 def test_compiled_rotation_is_the_torch_composition_bit_for_bit(d):
@@ -108,6 +113,8 @@ def test_compiled_rotation_is_the_torch_composition_bit_for_bit(d):
     torch.mul(x, signs[:d], out=want_fwd[:d])
     want_fwd = fwht(want_fwd, backend="fht-cpu", inplace=True)
     assert torch.equal(rht.forward(x), want_fwd)
+    rotated, norm = rht.forward_norm(x)
+    assert torch.equal(rotated, want_fwd) and norm == pytest.approx(exact_norm(x), rel=1e-12)
 
     # the gradient plus its error feedback, summed and rotated in one pass (into one of the addends too)
     a, b = torch.randn(d, generator=gen), torch.randn(d, generator=gen)
@@ -116,12 +123,14 @@ def test_compiled_rotation_is_the_torch_composition_bit_for_bit(d):
     torch.mul(total, signs[:d], out=want_sum[:d])
     want_sum = fwht(want_sum, backend="fht-cpu", inplace=True)
     x_out, rotated = torch.full((d,), 9.0), torch.full((padded,), 9.0)
-    assert rht.forward_sum(a, b, x_out, rotated) is rotated and torch.equal(rotated, want_sum)
-    assert torch.equal(x_out, total)
-    assert torch.equal(rht.forward_sum(a, b, a), want_sum) and torch.equal(a, total)
+    got, norm = rht.forward_sum(a, b, x_out, rotated)
+    assert got is rotated and torch.equal(rotated, want_sum)
+    assert torch.equal(x_out, total) and norm == pytest.approx(exact_norm(total), rel=1e-12)
+    assert torch.equal(rht.forward_sum(a, b, a)[0], want_sum) and torch.equal(a, total)
     first, second = total - b, b.clone()  # the torch path, into the second addend
     slow = RandomizedHadamard(d, key, backend="torch")
-    assert torch.allclose(slow.forward_sum(first, second, second), want_sum, atol=1e-5)
+    got, norm = slow.forward_sum(first, second, second)
+    assert torch.allclose(got, want_sum, atol=1e-5) and norm == pytest.approx(exact_norm(second), rel=1e-12)
     assert torch.equal(second, first + b)
 
     want_inv = fwht(y.clone(), backend="fht-cpu", inplace=True).mul_(signs)[:d]

@@ -57,7 +57,7 @@ from worker_lib.pacing import BURST_RUN, Pacer, extend_loss_runs
 from worker_lib.resend_timers import due_uses
 from worker_lib.result_intake import has_notice, take_results
 from worker_lib.udp_offload import GSO_BYTES, GSO_SEGMENTS, SOL_UDP, UDP_SEGMENT, gso_available
-from worker_lib.wire.bits import pack_bits
+from worker_lib.wire.bits import pack_padded_rows
 from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, PacketType
 from worker_lib.wire.pcap import PcapWriter
 from worker_lib.wire.protocol import ROUND_MASK, Header, fragment_count, serial_newer
@@ -265,14 +265,8 @@ class Transport:
         p = self.cfg.params
         if p.kind != "thc":
             raise ValueError("exchange_indices needs a THC job; use exchange_int32")
-        idx = np.asarray(indices, np.uint8).reshape(-1)
-        chunks = max(1, math.ceil(idx.size / p.elems))
-        if idx.size == chunks * p.elems:  # whole chunks (a power-of-two length and K): packed as they are
-            padded = idx
-        else:
-            padded = np.zeros(chunks * p.elems, np.uint8)
-            padded[: idx.size] = idx
-        payload = pack_bits(padded.reshape(chunks, p.elems), p.bits)
+        idx = np.asarray(indices).reshape(-1)
+        payload = pack_padded_rows(idx, p.bits, max(1, math.ceil(idx.size / p.elems)), p.elems)
         return self.run_uses(PacketType.DATA, payload, tensor=tensor)
 
     def exchange_int32(self, values: np.ndarray, *, tensor: int = 0) -> UseResults:

@@ -30,6 +30,8 @@ from worker_lib.thc.quantize import (
 from worker_lib.thc.signs import SignKey
 from worker_lib.thc.table import LookupTable, solve_table, truncation_threshold, uniform_table
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
 
 @dataclass(frozen=True)
 class THCConfig:
@@ -75,12 +77,17 @@ def finite_norm(flat: torch.Tensor, name: str = "gradient") -> float:
     """The norm of a flat float32 tensor, refusing NaN, infinities and a norm that overflows. A finite
     norm proves every coordinate finite, so the O(d) scan for NaN and infinities runs only to explain a
     failure."""
-    norm = float(torch.linalg.vector_norm(flat))
-    if not math.isfinite(norm):
-        if bool(torch.isfinite(flat).all()):
-            raise ValueError(f"{name}'s norm overflows float32 (values around 1e19 or larger)")
-        raise ValueError(f"{name} holds NaN or infinite values")
-    return norm
+    return checked_norm(float(torch.linalg.vector_norm(flat)), flat, name)
+
+
+def checked_norm(norm: float, flat: torch.Tensor, name: str = "gradient") -> float:
+    """``norm`` (flat's, computed by the caller) if it is finite and within float32's range, as the norm
+    stage carries it; otherwise the error that says what is wrong with ``flat``."""
+    if math.isfinite(norm) and norm <= FLOAT32_MAX:
+        return norm
+    if bool(torch.isfinite(flat).all()):
+        raise ValueError(f"{name}'s norm overflows float32 (values around 1e19 or larger)")
+    raise ValueError(f"{name} holds NaN or infinite values")
 
 
 def check_norm(value: float, name: str = "norm") -> float:
@@ -165,12 +172,22 @@ class THCCodec:
         buf = buffers.use(key) if buffers else self._default(x.numel(), key)
         return buf.rht.forward(x, out=buf.ws.rotated)
 
+    def rotate_norm(self, x: torch.Tensor, key: SignKey, buffers: TensorBuffers | None = None,
+                    name: str = "gradient") -> tuple[torch.Tensor, float]:
+        """``rotate`` and x's norm, refused as ``finite_norm`` refuses it (naming x as ``name``); where the
+        compiled path applies the norm comes from the rotation's own pass over memory."""
+        buf = buffers.use(key) if buffers else self._default(x.numel(), key)
+        rotated, norm = buf.rht.forward_norm(x, out=buf.ws.rotated)
+        return rotated, checked_norm(norm, x, name)
+
     def rotate_sum(self, a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, key: SignKey,
-                   buffers: TensorBuffers) -> torch.Tensor:
-        """x = a + b (flat float32, x may be a or b) and its RHT into the buffers' ``rotated``, in one
-        compiled pass over memory where the CPU path applies (``RandomizedHadamard.forward_sum``)."""
+                   buffers: TensorBuffers, name: str = "gradient") -> tuple[torch.Tensor, float]:
+        """x = a + b (flat float32, x may be a or b), its RHT into the buffers' ``rotated`` and x's norm
+        (refused as in ``rotate_norm``), in one compiled pass over memory where the CPU path applies
+        (``RandomizedHadamard.forward_sum``)."""
         buf = buffers.use(key)
-        return buf.rht.forward_sum(a, b, x, out=buf.ws.rotated)
+        rotated, norm = buf.rht.forward_sum(a, b, x, out=buf.ws.rotated)
+        return rotated, checked_norm(norm, x, name)
 
     def quantize_rotated(self, rotated: torch.Tensor, max_norm: float, length: int,
                          buffers: TensorBuffers) -> Encoded:
@@ -338,23 +355,22 @@ class THCWorker:
             zeros = torch.zeros(flat.numel(), dtype=torch.float32, device=self.codec.device)
             st = self._tensors[tensor] = _TensorState(buffers, zeros.clone(), zeros)
         own = self.config.error_feedback and st.has_error
-        if error is None and not own:
-            norm = finite_norm(flat)  # checked before the tensor's buffer changes
-            st.x.copy_(flat)
-            self.codec.rotate(st.x, key, st.buffers)
-        else:
-            if error is not None and error.shape != (flat.numel(),):
-                raise ValueError(f"the error feedback has shape {tuple(error.shape)}, the gradient {flat.numel()} "
-                                 "coordinates")
-            # the sum into the tensor's buffer (no new 4 bytes per coordinate), rotated in the same pass
-            self.codec.rotate_sum(flat, st.error if error is None else error, st.x, key, st.buffers)
-            # one norm, of what is rotated (the gradient's own is computed only to name a bad gradient)
-            try:
-                norm = finite_norm(st.x, "the gradient plus its error feedback")
-            except ValueError:
-                st.encoded = None  # nothing of this step may be quantized or decoded
-                finite_norm(flat)
-                raise
+        if error is not None and error.shape != (flat.numel(),):
+            raise ValueError(f"the error feedback has shape {tuple(error.shape)}, the gradient {flat.numel()} "
+                             "coordinates")
+        try:
+            if error is None and not own:
+                st.x.copy_(flat)
+                norm = self.codec.rotate_norm(st.x, key, st.buffers)[1]
+            else:
+                # the sum into the tensor's buffer (no new 4 bytes per coordinate), rotated and its norm
+                # taken in the same pass (the gradient's own norm is computed only to name a bad gradient)
+                norm = self.codec.rotate_sum(flat, st.error if error is None else error, st.x, key, st.buffers,
+                                             "the gradient plus its error feedback")[1]
+        except ValueError:
+            st.encoded = None  # nothing of this step may be quantized or decoded
+            finite_norm(flat)
+            raise
         st.key, st.shape, st.dtype, st.encoded, st.norm = key, grad.shape, grad.dtype, None, norm
         return st.norm
 

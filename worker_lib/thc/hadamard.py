@@ -145,29 +145,37 @@ class RandomizedHadamard:
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Transform a length-d vector into the padded length-D rotated vector (into ``out`` if given)."""
+        return self.forward_norm(x, out, norm=False)[0]
+
+    def forward_norm(self, x: torch.Tensor, out: torch.Tensor | None = None, *,
+                     norm: bool = True) -> tuple[torch.Tensor, float]:
+        """``forward`` and the norm of x: the compiled path sums x's squares in the sign pass (float64),
+        so the norm costs no pass over memory of its own; elsewhere it is torch's, in float64. The norm
+        is NaN or infinite where x holds NaN or infinities (the caller checks it); 0.0 without ``norm``."""
         out = self._check_forward(x, out)
         if self._fast(x, out):
             c = self._prescale()
-            fused.signs_pad_into(x.numpy(), self._words, c, out.numpy())
-            return fwht(out, normalize=c == 1, backend=self.backend, inplace=True)
+            squares = fused.signs_pad_into(x.numpy(), self._words, c, out.numpy())
+            return fwht(out, normalize=c == 1, backend=self.backend, inplace=True), math.sqrt(squares)
+        value = float(torch.linalg.vector_norm(x, dtype=torch.float64)) if norm else 0.0
         torch.mul(x, self.signs[: self.d], out=out[: self.d])
         out[self.d:].zero_()
-        return fwht(out, backend=self.backend, inplace=True)
+        return fwht(out, backend=self.backend, inplace=True), value
 
     def forward_sum(self, a: torch.Tensor, b: torch.Tensor, x: torch.Tensor,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-        """x = a + b (length d; x may be a or b), then ``forward(x, out)``: the compiled path computes the
-        sum and the sign flip in one pass (the error feedback's addition read and wrote 4 bytes per
-        coordinate more)."""
+                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+        """x = a + b (length d; x may be a or b), then ``forward_norm(x, out)``: the compiled path computes
+        the sum, the sign flip and the squares in one pass (the error feedback's addition read and wrote 4
+        bytes per coordinate more, the norm read them again). Returns the rotated vector and x's norm."""
         out = self._check_forward(x, out)
         if a.shape != x.shape or b.shape != x.shape:
             raise ValueError(f"expected vectors of length {self.d}, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
         if self._fast(a, b, x, out):
             c = self._prescale()
-            fused.sum_signs_pad_into(a.numpy(), b.numpy(), self._words, c, x.numpy(), out.numpy())
-            return fwht(out, normalize=c == 1, backend=self.backend, inplace=True)
+            squares = fused.sum_signs_pad_into(a.numpy(), b.numpy(), self._words, c, x.numpy(), out.numpy())
+            return fwht(out, normalize=c == 1, backend=self.backend, inplace=True), math.sqrt(squares)
         torch.add(a, b, out=x)
-        return self.forward(x, out)
+        return self.forward_norm(x, out)
 
     def inverse(self, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate a length-D vector back and return its first d coordinates (y is left unchanged)."""

@@ -125,6 +125,33 @@ def pack_whole_into(fields: np.ndarray, width: int, out: np.ndarray) -> np.ndarr
     return out
 
 
+def pack_padded_rows(fields: np.ndarray, width: int, rows: int, count: int) -> np.ndarray:
+    """``pack_bits`` of flat ``fields`` zero-padded to ``rows`` x ``count``: (rows, packed_bytes(count, width))
+    uint8. Where every row is whole bytes of 1-, 2- or 4-bit fields, the rows are one MSB-first stream, so
+    the fields pack straight into the result and only the bytes past them are zeroed (a padded copy of the
+    2^22 indices of a DDP bucket cost page faults and a pass over 4 MiB: 1.3-1.8 ms against 0.4-0.5 ms)."""
+    _check_width(width)
+    f = np.asarray(fields).reshape(-1)
+    if f.size > rows * count:
+        raise ValueError(f"{f.size} fields do not fit {rows} rows of {count}")
+    if f.dtype != np.uint8 or width not in _PACK_WHOLE or (count * width) % 8:
+        padded = np.zeros(rows * count, np.int64 if f.dtype.kind == "i" else f.dtype)
+        padded[: f.size] = f
+        return pack_bits(padded.reshape(rows, count), width)
+    if f.size and int(f.max()) >= 1 << width:
+        raise ValueError(f"values outside [0, 2^{width})")
+    out = np.empty(rows * packed_bytes(count, width), np.uint8)
+    per = 8 // width
+    head = f.size - f.size % per
+    done = head // per
+    pack_whole_into(f[:head], width, out[:done])
+    if head < f.size:  # the last fields share a byte with the padding
+        out[done] = sum(int(v) << (8 - width * (k + 1)) for k, v in enumerate(f[head:]))
+        done += 1
+    out[done:] = 0
+    return out.reshape(rows, -1)
+
+
 def unpack_whole_into(buf: np.ndarray, width: int, out: np.ndarray) -> np.ndarray:
     """Inverse of ``pack_whole_into``: the ``buf.size * 8 / width`` fields of flat uint8 ``buf`` into
     ``out``."""
