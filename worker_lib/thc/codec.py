@@ -167,15 +167,11 @@ class THCCodec:
         """M = t_p * max_norm / sqrt(D), D the transformed (padded) length."""
         return self.config.t_p * check_norm(max_norm, "max_norm") / math.sqrt(padded)
 
-    def rotate(self, x: torch.Tensor, key: SignKey, buffers: TensorBuffers | None = None) -> torch.Tensor:
-        """RHT of a flat float32 vector into the buffers' ``rotated`` (valid until they are reused)."""
-        buf = buffers.use(key) if buffers else self._default(x.numel(), key)
-        return buf.rht.forward(x, out=buf.ws.rotated)
-
     def rotate_norm(self, x: torch.Tensor, key: SignKey, buffers: TensorBuffers | None = None,
                     name: str = "gradient") -> tuple[torch.Tensor, float]:
-        """``rotate`` and x's norm, refused as ``finite_norm`` refuses it (naming x as ``name``); where the
-        compiled path applies the norm comes from the rotation's own pass over memory."""
+        """RHT of a flat float32 vector into the buffers' ``rotated`` (valid until they are reused), and x's
+        norm, refused as ``finite_norm`` refuses it (naming x as ``name``); where the compiled path applies
+        the norm comes from the rotation's own pass over memory."""
         buf = buffers.use(key) if buffers else self._default(x.numel(), key)
         rotated, norm = buf.rht.forward_norm(x, out=buf.ws.rotated)
         return rotated, checked_norm(norm, x, name)

@@ -23,12 +23,17 @@ def _check_width(width: int) -> None:
         raise ValueError(f"width must be in 1..32, got {width}")
 
 
+def _check_fields(v: np.ndarray, width: int) -> None:
+    """Refuse values outside [0, 2^width) (the minimum is read only for signed types)."""
+    if v.size and ((v.dtype.kind != "u" and int(v.min()) < 0) or int(v.max()) >= (1 << width)):
+        raise ValueError(f"values outside [0, 2^{width})")
+
+
 def pack_bits(values: np.ndarray, width: int) -> np.ndarray:
     """Pack non-negative integers below 2^width into uint8, MSB first, along the last axis."""
     _check_width(width)
     v = np.asarray(values)
-    if v.size and ((v.dtype.kind != "u" and int(v.min()) < 0) or int(v.max()) >= (1 << width)):
-        raise ValueError(f"values outside [0, 2^{width})")
+    _check_fields(v, width)
     lead, count = v.shape[:-1], v.shape[-1] if v.ndim else 1
     v = v.reshape(*lead, count)
     need = packed_bytes(count, width)
@@ -138,8 +143,7 @@ def pack_padded_rows(fields: np.ndarray, width: int, rows: int, count: int) -> n
         padded = np.zeros(rows * count, np.int64 if f.dtype.kind == "i" else f.dtype)
         padded[: f.size] = f
         return pack_bits(padded.reshape(rows, count), width)
-    if f.size and int(f.max()) >= 1 << width:
-        raise ValueError(f"values outside [0, 2^{width})")
+    _check_fields(f, width)
     out = np.empty(rows * packed_bytes(count, width), np.uint8)
     per = 8 // width
     head = f.size - f.size % per
