@@ -13,7 +13,9 @@ examples/train_ddp.py unchanged (``--nnodes N``). For each rate it runs
 and prints per-step time, training throughput (samples/s), the ratio to gloo, and where the time
 goes: forward, backward (which waits for the exchange), the hook's encode / network / decode time,
 the aggregator's CPU time per step, and the time the bytes need on the link at that rate. With
-``--plot`` it draws throughput against link bandwidth (like Figure 6 of the THC paper).
+``--plot`` it draws throughput against link bandwidth (like Figure 6 of the THC paper). Each repeat
+builds the links afresh and runs every mode on them; a mode's ratio to gloo is taken against gloo's run
+on the same links, and with ``--repeats`` above 1 the report adds the median and range of those ratios.
 
     sudo .venv/bin/python -m benchmarks.ddp_netem --rates 1000,10000 --steps 6 --plot ddp_netem.png  # repo root
 
@@ -158,7 +160,7 @@ def run_all(args: argparse.Namespace) -> list[dict]:
     losses = [max(args.loss)] if args.loss_phases else args.loss
     with tempfile.TemporaryDirectory(prefix="ddp-netem-") as tmpd:
         tmp = Path(tmpd)
-        for rate, _, pct in ((r, k, x) for r in args.rates for k in range(args.repeats) for x in losses):
+        for rate, k, pct in ((r, k, x) for r in args.rates for k in range(args.repeats) for x in losses):
             # with any lossy rate, the lossless runs pass the same loss rules dropping nothing (their CPU)
             rules = any(args.loss) or args.loss_phases  # (the phases start lossless and switch the rules)
             loss = {f"w{i}": 0.0 if args.loss_phases else pct for i in range(args.workers)} if rules else {}
@@ -178,14 +180,32 @@ def run_all(args: argparse.Namespace) -> list[dict]:
                         row = measure(net, Run(rate, mode, pct), jobs.get(mode, 9), args, agg.pid if agg else None,
                                       tmp)
                     row["switches"] = phases.switches if phases else []
+                    row["repeat"] = k
                     rows.append(row)
                     print(f"  {rate:>7g} Mbit/s {pct:g} % loss {mode:<12} step {row['step_s'] * 1e3:8.1f} ms  "
                           f"{row['samples_per_s']:8.1f} samples/s  (wall {row['wall_s']:.0f} s)", flush=True)
     return rows
 
 
+def _run_of(row: dict) -> tuple[float, float, int]:
+    return row["rate_mbit"], row["loss"], row.get("repeat", 0)
+
+
+def against_gloo(rows: list[dict]) -> dict[tuple[float, float, str], list[float]]:
+    """Each run's step over gloo's in the same topology (same rate, loss and repeat: the modes of one
+    repeat run one after the other on the same links, minutes apart at most), by (rate, loss, mode).
+    Pairing by run keeps the machine's drift out of the ratio: on a shared machine the same code's step
+    moves by a fifth from one quarter hour to the next."""
+    gloo = {_run_of(r): r["step_s"] for r in rows if r["mode"] == "gloo"}
+    out: dict[tuple[float, float, str], list[float]] = {}
+    for r in rows:
+        if r["mode"] != "gloo" and _run_of(r) in gloo:
+            out.setdefault((r["rate_mbit"], r["loss"], r["mode"]), []).append(r["step_s"] / gloo[_run_of(r)])
+    return out
+
+
 def report(rows: list[dict]) -> None:
-    gloo = {r["rate_mbit"]: r["step_s"] for r in rows if r["mode"] == "gloo"}
+    gloo = {_run_of(r): r["step_s"] for r in rows if r["mode"] == "gloo"}
     print(f"\nDDP on an emulated network: {rows[0]['workers']} workers, {rows[0]['parameters']:,} parameters, "
           "each node and the aggregator in its own namespace, links shaped by tc (both directions)")
     print(f"{'rate':>8} {'loss':>5} {'mode':<12} {'step ms':>8} {'x gloo':>7} {'samples/s':>9} | {'fwd':>6} {'bwd':>7} "
@@ -193,7 +213,7 @@ def report(rows: list[dict]) -> None:
           f"{'MB up':>6} "
           f"{'retx':>5} same")
     for r in rows:
-        ratio = gloo.get(r["rate_mbit"])
+        ratio = gloo.get(_run_of(r))
         print(f"{r['rate_mbit']:>8g} {r['loss']:>5g} {r['mode']:<12} {r['step_s'] * 1e3:8.1f} "
               f"{(r['step_s'] / ratio if ratio else float('nan')):7.2f} {r['samples_per_s']:9.1f} | "
               f"{r['forward_s'] * 1e3:6.1f} {r['backward_s'] * 1e3:7.1f} {r['hook_encode_s'] * 1e3:7.1f} "
@@ -202,13 +222,27 @@ def report(rows: list[dict]) -> None:
               f"{r['payload_bytes_up'] / 1e6:6.2f} "
               f"{r['retransmissions']:>5} "
               f"{r['identical']}")
-    print("(ms per step; 'x gloo' = step time / gloo's at the same rate; fwd/bwd from the training loop, backward "
-          "includes waiting for the exchange; encode/network/decode: the hook's thread; agg cpu: aggregator CPU "
-          "time per step; wrk cpu: rank 0's process CPU time per step (all its threads); link up: one worker's "
-          "DATA payload at the link rate; link dn: the results on the "
+    print("(ms per step; 'x gloo' = step time / gloo's on the same links (same rate, loss and repeat); fwd/bwd "
+          "from the training loop, backward includes waiting for the exchange; encode/network/decode: the hook's "
+          "thread; agg cpu: aggregator CPU time per step; wrk cpu: rank 0's process CPU time per step (all its "
+          "threads); link up: one worker's DATA payload at the link rate; link dn: the results on the "
           "aggregator's link at that rate (n copies by unicast, one by multicast): the step's wire floor is the "
           "larger of the two. gloo's traffic is not counted.)")
+    ratio_report(rows)
     loss_report(rows)
+
+
+def ratio_report(rows: list[dict]) -> None:
+    """With more than one repeat: per rate, loss and mode, the median of the runs' ratios to gloo's step in
+    the same topology, and their range."""
+    pairs = against_gloo(rows)
+    if not any(len(v) > 1 for v in pairs.values()):
+        return
+    print("\nx gloo over the repeats (each run against gloo's run on the same links; median and range)")
+    print(f"{'rate':>8} {'loss':>5} {'mode':<12} {'runs':>4} {'median':>7} {'min':>6} {'max':>6}")
+    for (rate, pct, mode), ratios in sorted(pairs.items()):
+        print(f"{rate:>8g} {pct:>5g} {mode:<12} {len(ratios):>4} {statistics.median(ratios):7.2f} "
+              f"{min(ratios):6.2f} {max(ratios):6.2f}")
 
 
 def loss_report(rows: list[dict]) -> None:

@@ -208,3 +208,21 @@ def test_compression_hook_times_every_phase() -> None:
     phases = [r[f"{name}_ms"] for name in ("begin", "compress", "error", "finish")]
     assert all(p > 0 for p in phases) and r["total_ms"] == pytest.approx(sum(phases))
     assert r["dim"] == 5000 and r["repeats"] == 2
+
+
+def test_ddp_netem_pairs_each_run_with_gloo_on_the_same_links(capsys: pytest.CaptureFixture[str]) -> None:
+    """'x gloo' divides a run's step by gloo's run of the same repeat (same links, minutes apart), not by
+    whichever gloo run came last; over repeats the report gives the median and the range (worked by hand)."""
+    from benchmarks.ddp_netem import against_gloo, ratio_report
+
+    def row(mode: str, repeat: int, step: float) -> dict:
+        return {"rate_mbit": 1000.0, "loss": 0.0, "mode": mode, "repeat": repeat, "step_s": step}
+
+    rows = [row("thc", 0, 0.100), row("gloo", 0, 0.200), row("thc", 1, 0.180), row("gloo", 1, 0.200),
+            row("thc", 2, 0.120), row("gloo", 2, 0.100)]
+    assert against_gloo(rows) == {(1000.0, 0.0, "thc"): pytest.approx([0.5, 0.9, 1.2])}
+    ratio_report(rows)
+    last = capsys.readouterr().out.strip().splitlines()[-1].split()
+    assert last == ["1000", "0", "thc", "3", "0.90", "0.50", "1.20"]
+    ratio_report(rows[:2])  # one repeat: the table of runs already says it all
+    assert capsys.readouterr().out == ""

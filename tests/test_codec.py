@@ -136,6 +136,34 @@ def test_residual_is_the_error_of_its_definition():
     assert torch.allclose(decoded.double(), rht.inverse(x_i), atol=1e-5)
 
 
+def test_residual_taken_twice_or_after_a_second_compress_is_still_its_definition():
+    """``compress`` leaves the residual x_rot - X_i in the rotation's buffer for ``residual`` to rotate
+    back, which consumes it. A second quantization of the step quantizes x_rot, not that residual: its
+    indices are those of a worker that keeps no error (same seed, same uniforms). The error, taken from
+    the buffer or (a second time) from the indices again, is x - RHT^-1(X_i) of the indices sent last
+    (float64 definition), and the two ways agree to float32 rounding."""
+    d = 1500
+    g, e = torch.randn(d), torch.full((d,), 0.01)
+    config = THCConfig(error_feedback=False)
+    keeper, plain = THCWorker(config, job=3, seed=6), THCWorker(config, job=3, seed=6)
+    n = keeper.begin(g, 0, 2, error=e)
+    assert plain.begin(g + e, 0, 2) == pytest.approx(n, rel=1e-6)
+    assert torch.equal(keeper.compress(0, n).indices, plain.compress(0, n).indices)
+    enc = keeper.compress(0, 2 * n)  # again, at another scale
+    assert torch.equal(enc.indices, plain.compress(0, 2 * n).indices)
+    indices = enc.indices.clone()
+    first = keeper.residual(0, out=torch.empty(d))  # from the buffer
+    second = keeper.residual(0, out=torch.empty(d))  # the buffer is consumed: from the indices
+    rht = RandomizedHadamard(d, SignKey.derive(3, 0, 2), dtype=torch.float64)
+    values = torch.tensor(keeper.codec.table.values, dtype=torch.float64)[indices.long()]
+    x_i = -enc.scale + values * 2 * enc.scale / keeper.config.granularity
+    for res in (first, second):
+        assert torch.allclose(res.double(), (g + e).double() - rht.inverse(x_i), atol=1e-5)
+    assert torch.allclose(first, second, rtol=0, atol=1e-6)
+    decoded = keeper.finish(0, keeper.codec.aggregate([indices]), 1)
+    assert torch.allclose(decoded.double(), rht.inverse(x_i), atol=1e-5)
+
+
 def test_workers_share_signs_but_not_randomness():
     x = torch.randn(4096)
     a, b = THCWorker(THCConfig(), job=3, seed=1), THCWorker(THCConfig(), job=3, seed=2)
@@ -191,6 +219,9 @@ def test_clear_errors():
         w.finish(0, sums, torch.zeros(8, dtype=torch.int64))
     with pytest.raises(ValueError, match="lost mask"):
         w.finish(0, sums, 1, lost=torch.zeros(3, dtype=torch.bool))
+    assert w.error(0) is None  # every refused finish left the error feedback as it was
+    w.finish(0, sums, 1)
+    assert w.error(0) is not None
     with pytest.raises(ValueError, match="granularity"):
         THCConfig(bits=4, granularity=10)
     with pytest.raises(ValueError, match="p must lie"):

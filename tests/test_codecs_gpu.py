@@ -24,3 +24,23 @@ def test_round_on_gpu_and_bytes_portable(name: str) -> None:
     ctx = RoundContext(length=d, workers=n, shared=shared)
     cpu = make_codec(name, device="cpu", seed=1)
     torch.testing.assert_close(cpu.decode_result(down, ctx), est.cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_thc_worker_error_feedback_on_gpu_is_its_definition() -> None:
+    """On the GPU the rotated residual comes from torch's lookup and subtraction (not the CPU's compiled
+    pass): the error it rotates back is still x - RHT^-1(X_i), computed in float64 on the CPU."""
+    import math
+
+    from worker_lib.thc import SignKey, THCConfig, THCWorker
+    from worker_lib.thc.hadamard import RandomizedHadamard
+
+    d = 3000
+    g, e = torch.randn(d), torch.full((d,), 0.01)
+    w = THCWorker(THCConfig(error_feedback=False), job=4, seed=3, device="cuda")
+    enc = w.compress(0, w.begin(g.cuda(), 0, 1, error=e.cuda()))
+    res = w.residual(0, out=torch.empty(d, device="cuda")).cpu().double()
+    rht = RandomizedHadamard(d, SignKey.derive(4, 0, 1), dtype=torch.float64)
+    values = torch.tensor(w.codec.table.values, dtype=torch.float64)[enc.indices.cpu().long()]
+    x_i = -enc.scale + values * 2 * enc.scale / w.config.granularity
+    assert math.isfinite(enc.scale)
+    assert torch.allclose(res, (g + e).double() - rht.inverse(x_i), atol=1e-5)

@@ -214,3 +214,26 @@ def test_compiled_own_values_are_the_table_lookup_on_the_grid() -> None:
     looked_up = torch.index_select(codec.quantizer.values, 0, indices.to(torch.int32))
     assert torch.equal(got, from_grid(looked_up, 1, -1.37, 1.37, 30))
     assert torch.equal(codec.own_values(enc), got)  # without a destination: the torch path
+
+
+def test_compiled_residual_pass_leaves_what_the_indices_fail_to_carry() -> None:
+    """``quantize_residual_into`` writes the indices ``quantize_into`` writes (same key) and leaves x - X_i
+    in x: torch's from_grid of the table lookup subtracted in float32, bit for bit (whole blocks and a
+    partial one)."""
+    from worker_lib.thc import fused
+
+    table = solve_table(4, 30, 1 / 32)
+    q = TableQuantizer(table)
+    x = torch.randn(4999, generator=torch.Generator().manual_seed(11)) * 2  # beyond +-M as well
+    m, g, key = 3.0, 30, np.uint64(0x0F1E_2D3C_4B5A_6978)
+    scale = g / (2 * m)
+    args = (np.float32(scale), np.float32(m * scale), g, q.slope, q.offset, table.size - 1, key)
+    want_idx = np.empty(x.numel(), np.uint8)
+    fused.quantize_into(x.numpy(), *args, want_idx)
+    looked_up = torch.index_select(q.values, 0, torch.from_numpy(want_idx).to(torch.int32))
+    want = x - from_grid(looked_up, 1, -m, m, g)
+    got, idx = x.clone(), np.empty(x.numel(), np.uint8)
+    fused.quantize_residual_into(got.numpy(), *args, idx, q.values.numpy(), np.float32(2 * m / g), np.float32(-m))
+    assert np.array_equal(idx, want_idx)
+    assert torch.equal(got, want)
+    assert float(got.abs().max()) > 0  # 4-bit indices do leave something behind

@@ -149,8 +149,9 @@ class THCCodec:
         self.quantizer = TableQuantizer(self.table, self.device)
         self.uniforms = UniformSource(self.device, seed)
         self._buffers: dict[int, TensorBuffers] = {}
-        if self.device.type == "cpu":  # load (or compile) the CPU pass now, not inside the first step
-            self._quantize_cpu(np.zeros(2, np.float32), 1.0, 0, np.empty(2, np.uint8))
+        if self.device.type == "cpu":  # load (or compile) the CPU passes now, not inside the first step
+            for residual in (False, True):
+                self._quantize_cpu(np.zeros(2, np.float32), 1.0, 0, np.empty(2, np.uint8), residual)
 
     def buffers(self, d: int, key: SignKey) -> TensorBuffers:
         """New buffers for vectors of length d (for callers that keep one set per tensor)."""
@@ -186,16 +187,23 @@ class THCCodec:
         return rotated, checked_norm(norm, x, name)
 
     def quantize_rotated(self, rotated: torch.Tensor, max_norm: float, length: int,
-                         buffers: TensorBuffers) -> Encoded:
-        """Clamp, stochastically quantize and map to table indices an already rotated vector."""
+                         buffers: TensorBuffers, *, residual: bool = False) -> Encoded:
+        """Clamp, stochastically quantize and map to table indices an already rotated vector.
+
+        With ``residual``, ``rotated`` is then overwritten with ``rotated - X_i``, what the indices fail to
+        carry (``own_values``' X_i, then one float32 subtraction; on the CPU in the quantization's pass):
+        the error feedback's residual in the rotated domain, for ``THCWorker.residual``."""
         ws = buffers.ws
         big_m = self.scale(max_norm, rotated.numel())
         if rotated.device.type == "cpu" and big_m > 0:  # one compiled pass (fused.py), the same arithmetic
-            self._quantize_cpu(rotated.numpy(), big_m, self.uniforms.next_key(), ws.indices.numpy())
+            self._quantize_cpu(rotated.numpy(), big_m, self.uniforms.next_key(), ws.indices.numpy(), residual)
             return Encoded(ws.indices, big_m, length, self.table.bits, ws.packed)
         y = to_grid(rotated, -big_m, big_m, self.table.granularity, out=ws.grid)
         indices = self.quantizer.quantize(y, self.uniforms.fill(ws.uniforms), ws)
-        return Encoded(indices, big_m, length, self.table.bits, ws.packed)
+        enc = Encoded(indices, big_m, length, self.table.bits, ws.packed)
+        if residual:
+            rotated.sub_(self.own_values(enc, out=ws.grid))
+        return enc
 
     def encode(self, x: torch.Tensor, max_norm: float, key: SignKey,
                buffers: TensorBuffers | None = None) -> Encoded:
@@ -205,13 +213,18 @@ class THCCodec:
         rotated = buf.rht.forward(flat, out=buf.ws.rotated)
         return self.quantize_rotated(rotated, max_norm, flat.numel(), buf)
 
-    def _quantize_cpu(self, x: np.ndarray, big_m: float, key: int, out: np.ndarray) -> None:
-        """``fused.quantize_into`` over [-M, M] with this codec's table: the indices of x into ``out``."""
+    def _quantize_cpu(self, x: np.ndarray, big_m: float, key: int, out: np.ndarray, residual: bool = False) -> None:
+        """``fused.quantize_into`` over [-M, M] with this codec's table: the indices of x into ``out``; with
+        ``residual``, ``fused.quantize_residual_into`` (x becomes x - X_i, as ``own_values`` computes X_i)."""
         g = self.table.granularity
         scale = g / (2 * big_m)  # as to_grid: x * scale + (-low) * scale, each rounded to float32
         q = self.quantizer
-        fused.quantize_into(x, np.float32(scale), np.float32(big_m * scale), g, q.slope, q.offset,
-                            self.table.size - 1, np.uint64(key), out)
+        args = (x, np.float32(scale), np.float32(big_m * scale), g, q.slope, q.offset, self.table.size - 1,
+                np.uint64(key), out)
+        if residual:
+            fused.quantize_residual_into(*args, q.values.numpy(), np.float32((2 * big_m) / g), np.float32(-big_m))
+        else:
+            fused.quantize_into(*args)
 
     def aggregate(self, indices: Sequence[torch.Tensor | np.ndarray]) -> torch.Tensor:
         """What the aggregator computes: the integer sum of T[index] over workers (int64, on CPU)."""
@@ -304,6 +317,13 @@ class _TensorState:
     dtype: torch.dtype = torch.float32
     encoded: Encoded | None = None
     has_error: bool = False
+    #: the caller keeps this step's error feedback (it passed ``error``) and takes the new one from
+    #: ``residual``: compress leaves the residual x_rot - X_i in the rotation's buffer for it. (The
+    #: worker's own error feedback is updated in ``finish`` after decoding, which reuses that buffer.)
+    keeps_error: bool = False
+    #: the rotation's buffer holds this step's residual x_rot - X_i, not yet rotated back (``residual``
+    #: consumes it; decoding reuses the buffer)
+    rotated_residual: bool = False
 
 
 @dataclass
@@ -368,6 +388,7 @@ class THCWorker:
             finite_norm(flat)
             raise
         st.key, st.shape, st.dtype, st.encoded, st.norm = key, grad.shape, grad.dtype, None, norm
+        st.keeps_error, st.rotated_residual = error is not None, False
         return st.norm
 
     def compress(self, tensor: int, max_norm: float) -> Encoded:
@@ -378,18 +399,34 @@ class THCWorker:
         """
         st = self._require(tensor)
         check_norm(max_norm, "max_norm")
-        st.encoded = self.codec.quantize_rotated(st.buffers.ws.rotated, max_norm, st.x.numel(), st.buffers)
+        if st.rotated_residual:  # quantized again in the same step: the buffer holds the last residual
+            self.codec.rotate_norm(st.x, st.key, st.buffers)  # x_rot again, the same bits
+            st.rotated_residual = False
+        st.encoded = self.codec.quantize_rotated(st.buffers.ws.rotated, max_norm, st.x.numel(), st.buffers,
+                                                 residual=st.keeps_error)
+        st.rotated_residual = st.keeps_error
         return st.encoded
 
     def residual(self, tensor: int, x: torch.Tensor | None = None, *, out: torch.Tensor) -> torch.Tensor:
         """out = x - RHT^-1(X_i): what this step's own indices failed to carry of ``x`` (Algorithm 3's
         error), computed with this step's rotation after ``compress`` (for callers that keep error
         feedback themselves, such as the DDP hook; the signs are not generated again). ``x`` defaults to
-        what ``begin`` rotated: the gradient plus the error it was given."""
+        what ``begin`` rotated: the gradient plus the error it was given.
+
+        For that default, ``compress`` has left x_rot - X_i in the rotation's buffer, and the error is its
+        inverse rotation, RHT^-1(RHT(x) - X_i): x - RHT^-1(X_i) up to the float32 rounding of the
+        transform's round trip (about 1e-7 of x), two passes over memory fewer than the lookup of X_i, its
+        inverse rotation and the subtraction, which run instead for an explicit ``x`` or a residual taken
+        already."""
         st = self._require(tensor)
         if st.encoded is None:
             raise RuntimeError(f"tensor {tensor}: compress() must come before residual()")
-        own = self.codec.own_values(st.encoded, out=st.buffers.ws.rotated)
+        ws = st.buffers.ws
+        if x is None and st.rotated_residual:
+            st.rotated_residual = False  # transformed in place: consumed
+            return st.buffers.rht.inverse_into(ws.rotated, out)
+        st.rotated_residual = False  # the lookup below goes into the same buffer
+        own = self.codec.own_values(st.encoded, out=ws.rotated)
         return st.buffers.rht.inverse_into(own, out, minus=st.x if x is None else x)
 
     def finish(self, tensor: int, sums: torch.Tensor, count: int | torch.Tensor,
@@ -405,12 +442,11 @@ class THCWorker:
             raise RuntimeError(f"tensor {tensor}: compress() must come before finish()")
         direct = (out is not None and out.dtype == st.dtype == torch.float32 and out.device == st.x.device
                   and out.is_contiguous() and out.numel() == st.x.numel())  # decoded in place: no copy
+        st.rotated_residual = False  # decoding goes through the rotation's buffer
         avg = self.codec.decode(sums, count, st.encoded.scale, st.x.numel(), st.key, st.buffers, lost=lost,
                                 out=out.view(-1) if direct else None)
-        if self.config.error_feedback:
-            ws = st.buffers.ws
-            own = self.codec.own_values(st.encoded, out=ws.rotated)
-            st.buffers.rht.inverse_into(own, st.error, minus=st.x)
+        if self.config.error_feedback:  # only once the sums decoded: a refused step changes nothing
+            self.residual(tensor, out=st.error)
             st.has_error = True
         st.key = None
         if direct:
