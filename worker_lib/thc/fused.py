@@ -67,31 +67,6 @@ def _uniform(key: np.uint64, i: int) -> np.float32:
     return _high(z) if r < _HALF else _low(z)
 
 
-@njit(cache=True, inline="always")
-def _quantize_block(xs: np.ndarray, os: np.ndarray, s: int, scale: np.float32, shift: np.float32, g: np.float32,
-                    last: np.int32, cap: np.int32, slope: np.ndarray, offset: np.ndarray, key: np.uint64,
-                    ys: np.ndarray, cells: np.ndarray, us: np.ndarray) -> None:
-    """``quantize_into``'s three loops over one block (``xs`` and ``os`` are coordinates s.. of x and out)."""
-    zero = np.float32(0.0)
-    m = xs.size
-    for j in range(m):
-        y = min(max(xs[j] * scale + shift, zero), g)
-        ys[j] = y
-        cells[j] = np.uint32(min(np.int32(y), last))
-    if m == BLOCK:  # a whole block: one hash per two uniforms
-        base = (s // BLOCK) * _HALF
-        for j in range(_HALF):
-            z = _mix(key, base + j)
-            us[j] = _high(z)
-            us[j + _HALF] = _low(z)
-    else:
-        for j in range(m):
-            us[j] = _uniform(key, s + j)
-    for j in range(m):
-        c = cells[j]
-        os[j] = min(np.int32(ys[j] * slope[c] + offset[c] + us[j]), cap)
-
-
 @njit(cache=True, nogil=True)
 def quantize_into(x: np.ndarray, scale: np.float32, shift: np.float32, granularity: int, slope: np.ndarray,
                   offset: np.ndarray, top: int, key: np.uint64, out: np.ndarray) -> None:
@@ -106,14 +81,8 @@ def quantize_into(x: np.ndarray, scale: np.float32, shift: np.float32, granulari
     2^22 coordinates here, the same indices. The cells are unsigned and each block works on slices, so
     that no index needs numba's wrap-around of negative indices: with it, every lookup of the scalar
     second loop carried a sign test and a select of the base address (2.7 against 1.7 ms for 2^20)."""
-    last, cap = np.int32(granularity - 1), np.int32(top)
-    ys = np.empty(BLOCK, np.float32)
-    cells = np.empty(BLOCK, np.uint32)
-    us = np.empty(BLOCK, np.float32)
-    for s in range(0, x.size, BLOCK):
-        m = min(BLOCK, x.size - s)
-        _quantize_block(x[s:s + m], out[s:s + m], s, scale, shift, np.float32(granularity), last, cap, slope,
-                        offset, key, ys, cells, us)
+    _quantize(x, scale, shift, granularity, slope, offset, top, key, out, False, _NO_VALUES, np.float32(0.0),
+              np.float32(0.0))
 
 
 @njit(cache=True, nogil=True)
@@ -125,6 +94,19 @@ def quantize_residual_into(x: np.ndarray, scale: np.float32, shift: np.float32, 
     arithmetic, then one float32 subtraction). The error feedback then needs only the inverse rotation of
     x, not a pass that looks the indices up again and another that subtracts (``THCWorker.residual``);
     the block is still in L1 when its residual is written."""
+    _quantize(x, scale, shift, granularity, slope, offset, top, key, out, True, values, step, low)
+
+
+_NO_VALUES = np.zeros(1, np.int32)
+
+
+@njit(cache=True, inline="always")
+def _quantize(x: np.ndarray, scale: np.float32, shift: np.float32, granularity: int, slope: np.ndarray,
+              offset: np.ndarray, top: int, key: np.uint64, out: np.ndarray, residual: bool, values: np.ndarray,
+              step: np.float32, low: np.float32) -> None:
+    """The two passes above: the blocks' indices, and with ``residual`` each block's x - X_i."""
+    g = np.float32(granularity)
+    zero = np.float32(0.0)
     last, cap = np.int32(granularity - 1), np.int32(top)
     ys = np.empty(BLOCK, np.float32)
     cells = np.empty(BLOCK, np.uint32)
@@ -132,10 +114,25 @@ def quantize_residual_into(x: np.ndarray, scale: np.float32, shift: np.float32, 
     for s in range(0, x.size, BLOCK):
         m = min(BLOCK, x.size - s)
         xs, os = x[s:s + m], out[s:s + m]
-        _quantize_block(xs, os, s, scale, shift, np.float32(granularity), last, cap, slope, offset, key, ys,
-                        cells, us)
         for j in range(m):
-            xs[j] = xs[j] - (np.float32(values[os[j]]) * step + low)
+            y = min(max(xs[j] * scale + shift, zero), g)
+            ys[j] = y
+            cells[j] = np.uint32(min(np.int32(y), last))
+        if m == BLOCK:  # a whole block: one hash per two uniforms
+            base = (s // BLOCK) * _HALF
+            for j in range(_HALF):
+                z = _mix(key, base + j)
+                us[j] = _high(z)
+                us[j + _HALF] = _low(z)
+        else:
+            for j in range(m):
+                us[j] = _uniform(key, s + j)
+        for j in range(m):
+            c = cells[j]
+            os[j] = min(np.int32(ys[j] * slope[c] + offset[c] + us[j]), cap)
+        if residual:
+            for j in range(m):
+                xs[j] = xs[j] - (np.float32(values[os[j]]) * step + low)
 
 
 @njit(cache=True)
