@@ -1,5 +1,6 @@
-"""THC's passes over memory on the CPU, compiled (numba): stochastic quantization, the decoder's
-estimate, a worker's own values, and the rotation's sign flips around fht-cpu's transform.
+"""THC's passes over memory on the CPU, compiled (numba): stochastic quantization (with, where the
+caller keeps error feedback, the residual its indices leave), the decoder's estimate, a worker's own
+values, and the rotation's sign flips around fht-cpu's transform.
 
 The torch path (``quantize.to_grid`` then ``TableQuantizer.quantize`` with uniforms from
 ``UniformSource.fill``) makes four passes over a 2^20-coordinate vector and draws 2^20 float32 uniforms
