@@ -222,7 +222,7 @@ class THCCodec:
         args = (x, np.float32(scale), np.float32(big_m * scale), g, q.slope, q.offset, self.table.size - 1,
                 np.uint64(key), out)
         if residual:
-            fused.quantize_residual_into(*args, q.values.numpy(), np.float32((2 * big_m) / g), np.float32(-big_m))
+            fused.quantize_residual_into(*args, q.values.numpy(), *self._own_map(big_m))
         else:
             fused.quantize_into(*args)
 
@@ -291,13 +291,18 @@ class THCCodec:
         dest = torch.empty(length, dtype=torch.float32, device=self.device) if out is None else out
         return buf.rht.inverse_into(est, dest)
 
+    def _own_map(self, big_m: float) -> tuple[np.float32, np.float32]:
+        """(step, low) of the compiled passes' X_i = float32(T[index]) * step + low on [-M, M]: from_grid's
+        float32 constants, shared by ``own_values`` and the residual pass so that the two agree bit for bit."""
+        return np.float32((2 * big_m) / self.table.granularity), np.float32(-big_m)
+
     def own_values(self, enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
         """X_i, the rotated-domain values this worker's indices stand for."""
         g = self.table.granularity
         if (out is not None and enc.indices.device.type == "cpu" and out.dtype == torch.float32
                 and out.is_contiguous() and enc.indices.is_contiguous()):  # one compiled pass (fused.py)
-            fused.lookup_estimate_into(enc.indices.numpy(), self.quantizer.values.numpy(),
-                                       np.float32((2 * enc.scale) / g), np.float32(-enc.scale), out.numpy())
+            fused.lookup_estimate_into(enc.indices.numpy(), self.quantizer.values.numpy(), *self._own_map(enc.scale),
+                                       out.numpy())
             return out
         looked_up = torch.index_select(self.quantizer.values, 0, enc.indices.to(torch.int32))
         return from_grid(looked_up, 1, -enc.scale, enc.scale, g, out=out)
