@@ -115,40 +115,41 @@ def _add_payload(buf: np.ndarray, i: int, thc: bool, bits: int, elems: int, valu
     """Write (``overwrite``) or add the integers of DATA packet ``i`` into ``bank``: the table values of
     its b-bit indices (MSB first), or its big-endian int32s. int32 registers: adds wrap like the switch's.
     The common widths get their own loop (a 4-bit byte is two lookups in a 16-entry table: about 3e9
-    elements/s on one core, three times the generic bit window)."""
-    if overwrite:
-        bank[:] = 0
+    elements/s on one core, three times the generic bit window). A bank that starts over is written, not
+    cleared first: at two workers every other packet starts a bank, and clearing it (libc's memset) took
+    about 7 % of the aggregator's CPU in a loopback exchange of 2^22 indices."""
     if not thc:
         for e in range(elems):
             at = _H + 4 * e
-            bank[e] += (np.int64(buf[i, at]) << 24) | (np.int64(buf[i, at + 1]) << 16) \
+            value = (np.int64(buf[i, at]) << 24) | (np.int64(buf[i, at + 1]) << 16) \
                 | (np.int64(buf[i, at + 2]) << 8) | np.int64(buf[i, at + 3])
+            bank[e] = value + (0 if overwrite else bank[e])
         return
     if bits == 4:
         p = buf[i, _H:_H + elems // 2]
         for k in range(p.size):
             v = p[k]
-            bank[2 * k] += values[v >> 4]
-            bank[2 * k + 1] += values[v & 15]
+            bank[2 * k] = values[v >> 4] + (0 if overwrite else bank[2 * k])
+            bank[2 * k + 1] = values[v & 15] + (0 if overwrite else bank[2 * k + 1])
     elif bits == 8:
         p = buf[i, _H:_H + elems]
         for k in range(p.size):
-            bank[k] += values[p[k]]
+            bank[k] = values[p[k]] + (0 if overwrite else bank[k])
     elif bits == 2:
         p = buf[i, _H:_H + elems // 4]
         for k in range(p.size):
             v = p[k]
-            bank[4 * k] += values[v >> 6]
-            bank[4 * k + 1] += values[(v >> 4) & 3]
-            bank[4 * k + 2] += values[(v >> 2) & 3]
-            bank[4 * k + 3] += values[v & 3]
+            bank[4 * k] = values[v >> 6] + (0 if overwrite else bank[4 * k])
+            bank[4 * k + 1] = values[(v >> 4) & 3] + (0 if overwrite else bank[4 * k + 1])
+            bank[4 * k + 2] = values[(v >> 2) & 3] + (0 if overwrite else bank[4 * k + 2])
+            bank[4 * k + 3] = values[v & 3] + (0 if overwrite else bank[4 * k + 3])
     else:  # any b: a 16-bit window over the byte that holds the index and the next
         mask = (1 << bits) - 1
         for e in range(elems):
             pos = e * bits
             byte = _H + (pos >> 3)
             window = (np.int64(buf[i, byte]) << 8) | (np.int64(buf[i, byte + 1]) if (pos & 7) + bits > 8 else 0)
-            bank[e] += values[(window >> (16 - bits - (pos & 7))) & mask]
+            bank[e] = values[(window >> (16 - bits - (pos & 7))) & mask] + (0 if overwrite else bank[e])
 
 
 @njit(cache=True)
