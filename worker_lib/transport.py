@@ -57,7 +57,7 @@ from worker_lib.pacing import BURST_RUN, Pacer, extend_loss_runs
 from worker_lib.resend_timers import due_uses
 from worker_lib.result_intake import has_notice, take_results
 from worker_lib.udp_offload import GSO_BYTES, GSO_SEGMENTS, SOL_UDP, UDP_SEGMENT, gso_available
-from worker_lib.wire.bits import pack_padded_rows
+from worker_lib.wire.index_packets import index_packets, stamp_uses
 from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, PacketType
 from worker_lib.wire.pcap import PcapWriter
 from worker_lib.wire.protocol import ROUND_MASK, Header, fragment_count, serial_newer
@@ -265,9 +265,12 @@ class Transport:
         p = self.cfg.params
         if p.kind != "thc":
             raise ValueError("exchange_indices needs a THC job; use exchange_int32")
-        idx = np.asarray(indices).reshape(-1)
-        payload = pack_padded_rows(idx, p.bits, max(1, math.ceil(idx.size / p.elems)), p.elems)
-        return self.run_uses(PacketType.DATA, payload, tensor=tensor)
+        # built (and the indices checked) before the uses are claimed: a refused tensor spends none
+        pkts = index_packets(p.request_fields(PacketType.DATA, worker=self.wire_worker, tensor=tensor), indices,
+                             p.bits, p.elems)
+        slots, rounds = self._claim_uses(pkts.shape[0])
+        stamp_uses(pkts, slots, rounds)
+        return self._run_packets(PacketType.DATA, pkts, slots, rounds, tensor=tensor)
 
     def exchange_int32(self, values: np.ndarray, *, tensor: int = 0) -> UseResults:
         """Uncompressed jobs: send int32 fixed-point values and return their int32 sums."""
@@ -369,13 +372,19 @@ class Transport:
     def run_uses(self, typ: PacketType, payloads: np.ndarray, *, tensor: int = 0,
                  policy: LossPolicy | None = None) -> UseResults:
         """Send one use per payload row (the next uses of the pool) and collect their answers."""
-        cfg, p = self.cfg, self.cfg.params
         count = payloads.shape[0]
-        is_norm = typ == PacketType.NORM
         slots, rounds = self._claim_uses(count)
-        hdr = p.request_fields(typ, worker=self.wire_worker, slot=slots, round=rounds, tensor=tensor,
-                               chunk=np.arange(count))
-        pkts = build_batch(hdr, payloads)
+        hdr = self.cfg.params.request_fields(typ, worker=self.wire_worker, slot=slots, round=rounds, tensor=tensor,
+                                             chunk=np.arange(count))
+        return self._run_packets(typ, build_batch(hdr, payloads), slots, rounds, tensor=tensor, policy=policy)
+
+    def _run_packets(self, typ: PacketType, pkts: np.ndarray, slots: np.ndarray, rounds: np.ndarray, *,
+                     tensor: int, policy: LossPolicy | None = None) -> UseResults:
+        """Run the claimed uses (``slots``, ``rounds``) whose one datagram each is a row of ``pkts`` and collect
+        their answers."""
+        cfg, p = self.cfg, self.cfg.params
+        count = pkts.shape[0]
+        is_norm = typ == PacketType.NORM
         rows = pkts[:, None]  # rows[i]: use i's one datagram, as a (1, L) view (sendto takes any buffer)
         k = 1 if is_norm else p.elems
         signed = p.kind == "uncompressed"
