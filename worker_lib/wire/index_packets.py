@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import numpy as np
 from numba import njit
 
-from worker_lib.wire.bits import _check_fields, _check_width, pack_padded_rows, packed_bytes
+from worker_lib.wire.bits import check_fields, check_width, pack_padded_rows, packed_bytes
 from worker_lib.wire.compiled_fields import put16, put32
 from worker_lib.wire.layout import HEADER_BYTES, field_offsets
 from worker_lib.wire.protocol import Header
@@ -88,7 +88,7 @@ def index_packets(header: Mapping[str, int], fields: np.ndarray, width: int, ele
     ``JobConfig.request_fields`` gives them), chunk = its row, slot and round 0 (``stamp_uses`` writes them)
     and its chunk's indices packed MSB first, zero-padded past the last. The bytes of ``build_batch`` of
     ``pack_padded_rows``. Indices outside [0, 2^width) raise ValueError before anything is returned."""
-    _check_width(width)
+    check_width(width)
     f = np.asarray(fields).reshape(-1)
     rows = max(1, -(-f.size // elems))
     fixed = {**header, "slot": 0, "round": 0}
@@ -97,5 +97,5 @@ def index_packets(header: Mapping[str, int], fields: np.ndarray, width: int, ele
     template = np.frombuffer(Header(**{**fixed, "chunk": 0}).pack(), np.uint8)
     out = np.empty((rows, HEADER_BYTES + packed_bytes(elems, width)), np.uint8)
     if not _pack_rows(template, f, width, elems, out):
-        _check_fields(f, width)  # raises, with the message every other packing gives
+        check_fields(f, width)  # raises, with the message every other packing gives
     return out
