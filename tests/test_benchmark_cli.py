@@ -11,6 +11,7 @@ status the module hands the shell.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import subprocess
@@ -87,6 +88,10 @@ CASES = [
     ("time_to_accuracy", ["--eval-every", "0"], "--eval-every: must be in 1..1000000, got 0"),
     ("time_to_accuracy", ["--csv", "/nonexistent/a.csv"], "--csv: expected a file in an existing folder"),
     ("time_to_accuracy", ["--mtu", "100"], "--mtu: must be in 576..9000, got 100"),
+    # benchmarks.exchange
+    ("exchange", ["--repeats", "0"], "--repeats: must be in 1..10000, got 0"),
+    ("exchange", ["--workers", "33"], "--workers: must be in 1..32, got 33"),
+    ("exchange", ["--bits", "9"], "--bits: must be in 1..8, got 9"),
     # benchmarks.engine
     ("engine", ["--batches", "0"], "--batches: must be in 1..1000000, got 0"),
     # benchmarks.tiers
@@ -194,6 +199,18 @@ def test_compression_counts_the_bits_of_the_gradients_type(dtype: str, dense_bit
     expected = (dense_bits - 4) * 4096 / ((r["encode_ms"] + r["decode_ms"]) / 1e3) / 1e9
     assert r["break_even_gbit_s"] == pytest.approx(expected)
     assert 0 < r["nmse_single_worker"] < 0.05
+
+
+def test_exchange_benchmark_times_every_workers_exchanges() -> None:
+    """Two workers' exchanges through a real thc-aggregator on loopback: a row per worker, each from
+    exchanges whose answers came in (receive batches), with the aggregator's CPU beside them."""
+    from benchmarks.exchange import measure
+
+    res = measure(argparse.Namespace(workers=2, dim=20000, bits=4, slots=64, repeats=2, warmup=1, timeout=120))
+    assert (res["elems"], res["dim"], len(res["per_worker"])) == (1440, 20000, 2)
+    for row in res["per_worker"]:
+        assert row["receive_batches"] >= 1 and 0 < row["cpu_s"] <= row["wall_s"] + 0.05
+    assert res["aggregator_cpu_s"] >= 0
 
 
 def test_compression_hook_times_every_phase() -> None:
