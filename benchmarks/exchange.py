@@ -17,10 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import queue
 import statistics
 import subprocess
 import sys
 import time
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import numpy as np
@@ -34,8 +37,8 @@ from worker_lib.transport import Transport, TransportConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def worker(w: int, address: tuple[str, int], job: JobConfig, args: argparse.Namespace, go: mp.Event,
-           out: mp.Queue) -> None:
+def worker(w: int, address: tuple[str, int], job: JobConfig, args: argparse.Namespace, go: Event,
+           out: Queue) -> None:
     """One worker: warm up, say so, wait for ``go``, then time ``args.repeats`` exchanges."""
     with Transport(TransportConfig(job, worker=w, aggregator=address, seed=w + 1)) as tr:
         idx = np.random.default_rng(w).integers(0, 1 << job.bits, args.dim, dtype=np.uint8)
@@ -54,30 +57,49 @@ def worker(w: int, address: tuple[str, int], job: JobConfig, args: argparse.Name
         out.put(("done", w, rows))
 
 
+def _next(out: Queue, procs: list[mp.Process], timeout: float) -> tuple:
+    """The next message of a worker; a worker that died or a wait past ``timeout`` ends the benchmark with
+    one line (a dead worker's traceback is above it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return out.get(timeout=0.5)
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise SystemExit("a worker failed (its error is above)") from None
+    raise SystemExit(f"the workers did not finish within --timeout {timeout} s")
+
+
 def measure(args: argparse.Namespace) -> dict:
     """Run the exchanges; per worker the medians of its rows, and the aggregator's CPU per exchange."""
     job = JobConfig(job=1, workers=args.workers, bits=args.bits, slots=args.slots)
     agg = subprocess.Popen([sys.executable, "-m", "aggregator.cli", "--host", "127.0.0.1", "--port", "0",
                             "--job", job.spec()], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                            preexec_fn=die_with_parent)
+    procs: list[mp.Process] = []
     try:
-        address = ("127.0.0.1", listening_port(agg.stdout.readline() if agg.stdout else ""))
+        line = agg.stdout.readline() if agg.stdout else ""
+        if "listening on" not in line:
+            raise SystemExit(f"thc-aggregator did not start (exit code {agg.poll()}): {line.strip()}")
+        address = ("127.0.0.1", listening_port(line))
         go, out = mp.Event(), mp.Queue()
         procs = [mp.Process(target=worker, args=(w, address, job, args, go, out)) for w in range(args.workers)]
         for p in procs:
             p.start()
         for _ in procs:
-            out.get(timeout=args.timeout)  # every worker warm
+            _next(out, procs, args.timeout)  # every worker warm
         cpu0 = cpu_seconds(agg.pid)
         go.set()
         results = {}
         for _ in procs:
-            _, w, rows = out.get(timeout=args.timeout)
+            _, w, rows = _next(out, procs, args.timeout)
             results[w] = rows
         agg_cpu = cpu_seconds(agg.pid) - cpu0
-        for p in procs:
-            p.join()
     finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
         stop_process(agg)
     per_worker = [{k: statistics.median(r[k] for r in results[w]) for k in results[w][0]}
                   for w in sorted(results)]
