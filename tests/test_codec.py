@@ -22,6 +22,12 @@ from worker_lib.thc.hadamard import RandomizedHadamard
 from worker_lib.thc.quantize import UniformSource
 
 
+def own_values_f64(worker: THCWorker, indices: torch.Tensor, scale: float) -> torch.Tensor:
+    """X_i by its definition, in float64 on the CPU: -M + T[index] * 2M / g (M = ``scale``)."""
+    values = torch.tensor(worker.codec.table.values, dtype=torch.float64)[indices.cpu().long()]
+    return -scale + values * 2 * scale / worker.config.granularity
+
+
 def run_round(xs, config, key, seeds, codec_count=None):
     codecs = [THCCodec(config, seed=s) for s in seeds]
     norm = max(float(x.norm()) for x in xs)
@@ -129,8 +135,7 @@ def test_residual_is_the_error_of_its_definition():
     indices = enc.indices.clone()
     res = w.residual(0, g, out=torch.empty(d))
     rht = RandomizedHadamard(d, SignKey.derive(2, 0, 4), dtype=torch.float64)
-    values = torch.tensor(w.codec.table.values, dtype=torch.float64)[indices.long()]
-    x_i = -enc.scale + values * 2 * enc.scale / w.config.granularity
+    x_i = own_values_f64(w, indices, enc.scale)
     assert torch.allclose(res.double(), g.double() - rht.inverse(x_i), atol=1e-5)
     decoded = w.finish(0, w.codec.aggregate([indices]), 1)
     assert torch.allclose(decoded.double(), rht.inverse(x_i), atol=1e-5)
@@ -155,8 +160,7 @@ def test_residual_taken_twice_or_after_a_second_compress_is_still_its_definition
     first = keeper.residual(0, out=torch.empty(d))  # from the buffer
     second = keeper.residual(0, out=torch.empty(d))  # the buffer is consumed: from the indices
     rht = RandomizedHadamard(d, SignKey.derive(3, 0, 2), dtype=torch.float64)
-    values = torch.tensor(keeper.codec.table.values, dtype=torch.float64)[indices.long()]
-    x_i = -enc.scale + values * 2 * enc.scale / keeper.config.granularity
+    x_i = own_values_f64(keeper, indices, enc.scale)
     for res in (first, second):
         assert torch.allclose(res.double(), (g + e).double() - rht.inverse(x_i), atol=1e-5)
     assert torch.allclose(first, second, rtol=0, atol=1e-6)

@@ -31,6 +31,7 @@ def test_thc_worker_error_feedback_on_gpu_is_its_definition() -> None:
     pass): the error it rotates back is still x - RHT^-1(X_i), computed in float64 on the CPU."""
     import math
 
+    from tests.test_codec import own_values_f64
     from worker_lib.thc import SignKey, THCConfig, THCWorker
     from worker_lib.thc.hadamard import RandomizedHadamard
 
@@ -40,7 +41,6 @@ def test_thc_worker_error_feedback_on_gpu_is_its_definition() -> None:
     enc = w.compress(0, w.begin(g.cuda(), 0, 1, error=e.cuda()))
     res = w.residual(0, out=torch.empty(d, device="cuda")).cpu().double()
     rht = RandomizedHadamard(d, SignKey.derive(4, 0, 1), dtype=torch.float64)
-    values = torch.tensor(w.codec.table.values, dtype=torch.float64)[enc.indices.cpu().long()]
-    x_i = -enc.scale + values * 2 * enc.scale / w.config.granularity
+    x_i = own_values_f64(w, enc.indices, enc.scale)
     assert math.isfinite(enc.scale)
     assert torch.allclose(res, (g + e).double() - rht.inverse(x_i), atol=1e-5)
