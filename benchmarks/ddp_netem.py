@@ -191,12 +191,17 @@ def _run_of(row: dict) -> tuple[float, float, int]:
     return row["rate_mbit"], row["loss"], row.get("repeat", 0)
 
 
+def gloo_steps(rows: list[dict]) -> dict[tuple[float, float, int], float]:
+    """gloo's step time per run (rate, loss, repeat)."""
+    return {_run_of(r): r["step_s"] for r in rows if r["mode"] == "gloo"}
+
+
 def against_gloo(rows: list[dict]) -> dict[tuple[float, float, str], list[float]]:
     """Each run's step over gloo's in the same topology (same rate, loss and repeat: the modes of one
     repeat run one after the other on the same links, minutes apart at most), by (rate, loss, mode).
     Pairing by run keeps the machine's drift out of the ratio: on a shared machine the same code's step
     moves by a fifth from one quarter hour to the next."""
-    gloo = {_run_of(r): r["step_s"] for r in rows if r["mode"] == "gloo"}
+    gloo = gloo_steps(rows)
     out: dict[tuple[float, float, str], list[float]] = {}
     for r in rows:
         if r["mode"] != "gloo" and _run_of(r) in gloo:
@@ -205,7 +210,7 @@ def against_gloo(rows: list[dict]) -> dict[tuple[float, float, str], list[float]
 
 
 def report(rows: list[dict]) -> None:
-    gloo = {_run_of(r): r["step_s"] for r in rows if r["mode"] == "gloo"}
+    gloo = gloo_steps(rows)
     print(f"\nDDP on an emulated network: {rows[0]['workers']} workers, {rows[0]['parameters']:,} parameters, "
           "each node and the aggregator in its own namespace, links shaped by tc (both directions)")
     print(f"{'rate':>8} {'loss':>5} {'mode':<12} {'step ms':>8} {'x gloo':>7} {'samples/s':>9} | {'fwd':>6} {'bwd':>7} "
