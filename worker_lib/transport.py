@@ -179,6 +179,16 @@ class TransportStats:
         return {k: v for k, v in self.__dict__.items() if k != "lost"}
 
 
+def data_sums_type(job: JobConfig) -> type:
+    """The type of a DATA run's sums in ``UseResults``: THC's 8-bit results as uint8 (a 2^22-coordinate
+    step's sums are 4 MiB so, 16 as int32: fewer pages to fault in and zero, and what the decoder reads
+    fastest); 16-bit ones as int32 (torch has few operations for uint16), as the uncompressed job's;
+    THC's 32-bit results as int64."""
+    if job.kind == "uncompressed" or job.result_bits == 16:
+        return np.int32
+    return np.uint8 if job.result_bits == 8 else np.int64
+
+
 @dataclass
 class UseResults:
     """Answers to a run of uses: sums (or norm bits), contributor counts, bitmaps, and what was lost."""
@@ -388,14 +398,7 @@ class Transport:
         rows = pkts[:, None]  # rows[i]: use i's one datagram, as a (1, L) view (sendto takes any buffer)
         k = 1 if is_norm else p.elems
         signed = p.kind == "uncompressed"
-        # THC's 8-bit results as uint8 (a 2^22-coordinate step's sums are 4 MiB so, 16 as int32: fewer pages
-        # to fault in and zero, and what the decoder reads fastest); 16-bit ones in int32 (torch has few
-        # operations for uint16), as the uncompressed job's; THC's 32-bit results and norm bits in int64.
-        if is_norm or (not signed and p.result_bits == 32):
-            sums_type = np.int64
-        else:
-            sums_type = np.uint8 if not signed and p.result_bits == 8 else np.int32
-        sums = np.zeros(count if is_norm else (count, k), sums_type)
+        sums = np.zeros(count, np.int64) if is_norm else np.zeros((count, k), data_sums_type(p))
         contrib = np.zeros(count, np.int64)
         bitmap = np.zeros(count, np.int64)
         want_type = PacketType.NORM_RESULT if is_norm else PacketType.RESULT
