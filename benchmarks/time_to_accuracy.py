@@ -44,11 +44,15 @@ def mode(text: str) -> str:
     return text
 
 
-def job_configs(args: argparse.Namespace) -> dict[str, JobConfig]:
-    """The aggregator's job of each THC mode (ids 10, 11, ...): results by unicast fan-out, or by multicast."""
+def job_configs(args: argparse.Namespace) -> dict[tuple[str, int], JobConfig]:
+    """The aggregator's job of each THC mode and repeat, by (mode, repeat): results by unicast fan-out, or by
+    multicast. Each training run gets a job of its own (ids 10, 11, ...): its workers start every slot at
+    round 0, and a job that an earlier run moved on would answer them with that run's state
+    (docs/protocol.md, "A new run needs a fresh job")."""
     modes = [m for m in args.modes if m != "gloo"]
-    return {m: JobConfig(job=10 + i, workers=args.workers, kind="thc", mtu=args.mtu, slots=args.slots,
-                         multicast=GROUP if m == "thc-mcast" else None) for i, m in enumerate(modes)}
+    runs = [(m, k) for k in range(args.repeats) for m in modes]
+    return {(m, k): JobConfig(job=10 + i, workers=args.workers, kind="thc", mtu=args.mtu, slots=args.slots,
+                              multicast=GROUP if m == "thc-mcast" else None) for i, (m, k) in enumerate(runs)}
 
 
 def train_args(args: argparse.Namespace, mode: str, job: JobConfig | None, aggregator: str, out: Path) -> list[str]:
@@ -72,12 +76,12 @@ def run_all(args: argparse.Namespace) -> list[dict]:
             with Topology(cfg) as net:
                 jobs = job_configs(args)
                 if jobs:
-                    start_aggregator(net, list(jobs.values()), multicast="thc-mcast" in jobs)
+                    start_aggregator(net, list(jobs.values()), multicast="thc-mcast" in args.modes)
                 for k in range(args.repeats):
                     for i, m in enumerate(args.modes):
                         out = Path(tmpd) / f"{m}-{rate:g}-{k}.json"
-                        res = run_training(net, train_args(args, m, jobs.get(m), f"{net.address('agg')}:9451", out),
-                                           timeout=args.run_timeout,
+                        argv = train_args(args, m, jobs.get((m, k)), f"{net.address('agg')}:9451", out)
+                        res = run_training(net, argv, timeout=args.run_timeout,
                                            master_port=29600 + len(MODES) * k + i)
                         bad = [r for r in res if r.returncode != 0]
                         if bad or not out.exists():

@@ -49,6 +49,7 @@ from sim.models import make_model as make_classifier
 from worker_lib.cli.args import FLOAT_DTYPES, comma_list, host_port, int_in
 from worker_lib.ddp import AggregatorUnreachable, DDPHookConfig, THCHookState, register_thc_hook
 from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig, JobConfigError, job_from_mapping
+from worker_lib.transport import STALE_JOB_ADVICE
 
 log = logging.getLogger("train_ddp")
 _STORE_KEY = "thc/aggregator"
@@ -386,10 +387,13 @@ def main(argv: list[str] | None = None) -> int:
     except JobConfigError as exc:  # the job's options (--leaves, widths, K) refused
         print(f"train_ddp.py rank {os.environ['RANK']}: {exc}", file=sys.stderr)
         return 2
-    except RuntimeError as exc:
-        if "no answer from the aggregator" in str(exc):  # raised through DDP's future: same cause
+    except RuntimeError as exc:  # AggregatorStateError, or either error raised through DDP's future
+        if "no answer from the aggregator" in str(exc):
             print(f"train_ddp.py rank {os.environ['RANK']}: the THC aggregator is unreachable: {exc}",
                   file=sys.stderr)
+            return 3
+        if STALE_JOB_ADVICE in str(exc):
+            print(f"train_ddp.py rank {os.environ['RANK']}: {str(exc).splitlines()[-1]}", file=sys.stderr)
             return 3
         raise
     if summary:

@@ -12,7 +12,7 @@ import pytest
 import worker_lib.transport as transport_mod
 from tests.test_transport import oracle, random_indices, run_workers, serving
 from worker_lib.job import JobConfig
-from worker_lib.result_intake import has_notice, take_results
+from worker_lib.result_intake import foreign_chunk, has_notice, take_results
 
 # version, type, job, key, table_id, worker, contributors, slot, round, tensor, chunk, elems, width, flags, bitmap
 HEADER = struct.Struct(">BBHIHBBHHIIHBBI")
@@ -193,3 +193,39 @@ def test_transport_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
         assert np.array_equal(a.sums, want) and np.array_equal(b.sums, want)
         assert a.contributors.tolist() == b.contributors.tolist() == [2] * 300
         assert a.bitmap.tolist() == b.bitmap.tolist() == [3] * 300
+
+
+def test_foreign_chunk_finds_a_result_without_this_workers_share() -> None:
+    """Two workers' sums hold each worker's table value and at most one other: no chunk is foreign to either;
+    a chunk of other indices is (the first such chunk is named); chunks lost or without this worker's bit
+    are not checked; the bounds T[own] <= sum <= T[own] + (contributors - 1) * max T hold exactly."""
+    values = JobConfig().values()
+    rng = np.random.default_rng(5)
+    k, chunks = 64, 4
+    own = rng.integers(0, len(values), chunks * k - 5).astype(np.uint8)  # the last 5 coordinates are padding
+    other = rng.integers(0, len(values), chunks * k).astype(np.uint8)
+    padded = np.concatenate([own, np.zeros(5, np.uint8)])
+    sums = (values[padded].astype(np.int64) + values[other]).reshape(chunks, k).astype(np.uint8)
+    contrib, bitmap, lost = np.full(chunks, 2), np.full(chunks, 0b11), np.zeros(chunks, bool)
+
+    def first(s: np.ndarray, mine: np.ndarray = own, worker: int = 0, probe: int = k, b: np.ndarray = bitmap,
+              c: np.ndarray = contrib, gone: np.ndarray = lost) -> int:
+        return foreign_chunk(s, c, b, gone, mine, values, worker, probe)
+
+    assert first(sums) == -1 and first(sums, other, worker=1) == -1
+    stale = sums.copy()
+    stale[2] = (values[rng.integers(0, len(values), k)] + values[rng.integers(0, len(values), k)]).astype(np.uint8)
+    stale[3] = stale[2]
+    assert first(stale) == 2
+    assert first(stale, b=np.array([0b11, 0b11, 0b10, 0b10])) == -1  # not counted in those chunks
+    assert first(stale, gone=np.array([False, False, True, True])) == -1
+    one = values[padded].astype(np.int64).reshape(chunks, k)  # a result of this worker alone
+    ones = np.ones(chunks, np.int64)
+    assert first(one.astype(np.uint8), c=ones, b=np.full(chunks, 0b01)) == -1
+    low, high = one.copy(), one + int(values.max())
+    low[1, 7] -= 1 if low[1, 7] > 0 else -1000  # below T[own] (or, where that is 0, far above it)
+    assert first(low, c=ones, b=np.full(chunks, 0b01)) == 1
+    assert first(high, c=np.full(chunks, 2)) == -1  # one other worker at max T: the upper bound itself
+    high[3, 0] += 1
+    assert first(high, c=np.full(chunks, 2)) == 3
+    assert first(high, c=np.full(chunks, 2), probe=0) == -1  # nothing probed

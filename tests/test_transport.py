@@ -20,7 +20,7 @@ from aggregator.server import AggregatorServer, ServerConfig
 from worker_lib.allreduce import THCAllreduce
 from worker_lib.job import JobConfig
 from worker_lib.thc import SignKey, THCCodec, THCConfig, lookup_sum
-from worker_lib.transport import AggregatorUnreachable, Transport, TransportConfig, UseResults
+from worker_lib.transport import AggregatorStateError, AggregatorUnreachable, Transport, TransportConfig, UseResults
 from worker_lib.udp_offload import gso_available
 from worker_lib.wire import Header
 from worker_lib.wire.protocol import Counter
@@ -179,6 +179,43 @@ def test_straggler_notices_and_partial_threshold() -> None:
     for slot, ours, current in notices:
         assert (current - ours) % 65536 >= 2 and 0 <= slot < 2
     assert counters[Counter.ACCEPTED] == 3 * 6 and counters[Counter.STRAGGLER] == len(notices)
+
+
+def test_a_run_on_a_job_another_run_moved_on_fails_clearly() -> None:
+    """A new run's workers start every slot at round 0. Where an earlier run of the job left the slots two or
+    more rounds ahead, the aggregator answers with straggler notices, which within one run of a one-tier,
+    every-worker job under ``reliable`` cannot come: the transport raises AggregatorStateError (it used to
+    mark the uses lost, and a training went on with zeros). Under zero-fill the notices keep their meaning."""
+    cfg = JobConfig(workers=1, slots=2, elems=K)
+    idx = random_indices(cfg, 6, seed=3)  # 6 chunks on 2 slots: each slot ends at round 2
+    with serving(cfg) as srv:
+        first, _ = run_workers(srv, cfg, idx)
+        assert np.array_equal(first[0].sums, oracle(cfg, idx, [0]))
+        with pytest.raises(AggregatorStateError, match=r"slot 0: a straggler notice for round 0 \(the slot is at "
+                                                       r"round 2\).*start each run with a fresh job"):
+            run_workers(srv, cfg, idx)
+        lossy, trs = run_workers(srv, cfg, idx, loss_policy="zero-fill", timeout=0.05)
+        assert lossy[0].lost.any() and trs[0].stats.stragglers == lossy[0].lost.sum()
+
+
+def test_a_result_retained_from_another_run_is_refused() -> None:
+    """Where an earlier run's round of a slot is still complete in its bank, the aggregator answers a new
+    run's use of that round with the earlier run's result (``retained``). The transport checks answers
+    against its own indices (a sum holds this worker's table value and at most contributors - 1 others) and
+    raises AggregatorStateError; the norm stage refuses a max norm below this worker's own."""
+    cfg = JobConfig(workers=1, slots=8, elems=K)
+    with serving(cfg) as srv:
+        run_workers(srv, cfg, random_indices(cfg, 3, seed=1))
+        with pytest.raises(AggregatorStateError, match="slot 0: the result of round 0 cannot hold this worker's"):
+            run_workers(srv, cfg, random_indices(cfg, 3, seed=2))
+    with serving(cfg) as srv:
+        for norm in (5.0, 7.0):
+            with Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv.port))) as tr:
+                if norm == 5.0:
+                    assert tr.exchange_norm(norm) == (5.0, 1)
+                else:
+                    with pytest.raises(AggregatorStateError, match=r"a max norm 5\.0 below this worker's own 7\.0"):
+                        tr.exchange_norm(norm)
 
 
 def test_two_jobs_never_touch_each_other() -> None:

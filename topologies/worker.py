@@ -23,7 +23,7 @@ import numpy as np
 
 from worker_lib.cli.args import comma_list, host_port
 from worker_lib.job import JobConfig, JobConfigError, parse_job_spec
-from worker_lib.transport import AggregatorUnreachable, Transport, TransportConfig
+from worker_lib.transport import AggregatorStateError, AggregatorUnreachable, Transport, TransportConfig
 from worker_lib.wire.layout import THC_UDP_PORT
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_job_spec(args.job)
         out = run_worker(cfg, args.worker, args.aggregator[0], args.bind, args.chunks, args.seed, args.timeout,
                          args.deadline, more_aggregators=tuple(args.aggregator[1:]))
-    except (JobConfigError, AggregatorUnreachable, ValueError, OSError) as exc:
+    except (JobConfigError, AggregatorUnreachable, AggregatorStateError, ValueError, OSError) as exc:
         sys.stderr.write(f"worker {args.worker}: {exc}\n")
         return 1
     text = json.dumps(out)

@@ -91,3 +91,33 @@ def take_results(rows: np.ndarray, lens: np.ndarray, job: int, key: int, use_of_
         finished[taken] = u
         taken += 1
     return taken, pending, unexpected
+
+
+#: Coordinates of each chunk that ``foreign_chunk`` checks (all of a chunk would cost a DDP step of 2^22
+#: coordinates 3-4 ms; an answer of another run fails the check at a few coordinates in ten).
+OWN_SHARE_PROBE = 64
+
+
+@njit(cache=True)
+def foreign_chunk(sums: np.ndarray, contrib: np.ndarray, bitmap: np.ndarray, lost: np.ndarray, indices: np.ndarray,
+                  values: np.ndarray, worker: int, probe: int) -> int:
+    """The first chunk whose sums cannot hold this worker's own contribution, or -1.
+
+    A THC result that counts worker ``worker`` (its bit in ``bitmap``) sums its table value T[index] and
+    ``contrib - 1`` others of at most T's largest value, so each coordinate's sum s obeys
+    T[own] <= s <= T[own] + (contrib - 1) * max T. The first ``probe`` coordinates of every such chunk
+    (``sums`` is (chunks, K); ``indices`` this worker's, shorter than chunks x K by the padding, whose index
+    0 has value 0) are checked. A result of another run of the job, retained by the aggregator, fails it."""
+    chunks, k = sums.shape
+    top = values.max()
+    for c in range(chunks):
+        if lost[c] or not (bitmap[c] >> worker) & 1:
+            continue
+        extra = (contrib[c] - 1) * top
+        for j in range(min(probe, k)):
+            i = c * k + j
+            own = values[indices[i]] if i < indices.size else 0
+            s = np.int64(sums[c, j])
+            if s < own or s - own > extra:
+                return c
+    return -1

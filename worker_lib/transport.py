@@ -11,7 +11,10 @@ means:
   zero in the transformed domain, and reported in ``TransportStats.lost_chunks``.
 
 A straggler notice (the slot has moved on past our round: its result is gone) marks the use lost,
-is counted, and calls ``on_straggler``. ``exchange_indices`` / ``exchange_norm`` are the low-level
+is counted, and calls ``on_straggler``. Where no notice can come to a worker of this run (a one-tier
+job, every worker needed, ``reliable``), a notice, or an answer that cannot hold this worker's own
+contribution, means that the aggregator's job holds the rounds of another run: ``AggregatorStateError``
+(docs/protocol.md, "A new run needs a fresh job"). ``exchange_indices`` / ``exchange_norm`` are the low-level
 calls (numpy only, no torch); ``worker_lib.allreduce`` adds THC's norm stage, compression and
 decoding on top. ``exchange_message`` carries one whole codec message of a ``dar`` job
 (decompress-aggregate-recompress, software aggregator only) as fragments and reassembles the
@@ -55,7 +58,7 @@ from worker_lib.batch_io import BatchSocket, sockaddr_to_tuple
 from worker_lib.job import JobConfig
 from worker_lib.pacing import BURST_RUN, Pacer, extend_loss_runs
 from worker_lib.resend_timers import due_uses
-from worker_lib.result_intake import has_notice, take_results
+from worker_lib.result_intake import OWN_SHARE_PROBE, foreign_chunk, has_notice, take_results
 from worker_lib.udp_offload import GSO_BYTES, GSO_SEGMENTS, SOL_UDP, UDP_SEGMENT, gso_available
 from worker_lib.wire.index_packets import index_packets, stamp_uses
 from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, PacketType
@@ -76,6 +79,20 @@ LossPolicy = Literal["reliable", "zero-fill"]
 
 class AggregatorUnreachable(ConnectionError):
     """Nothing came back from the aggregator for the configured deadline."""
+
+
+class AggregatorStateError(RuntimeError):
+    """The aggregator's job holds the rounds of another run of the job (an earlier run, or another group
+    of workers using the same job id): its answers are not this run's. A new run needs a fresh job."""
+
+    def __init__(self, job: int, slot: int, what: str) -> None:
+        super().__init__(f"job {job}, slot {slot}: {what}: {STALE_JOB_ADVICE}")
+
+
+#: What to do about an ``AggregatorStateError`` (also matched in the message of DDP's wrapped exceptions).
+STALE_JOB_ADVICE = ("the aggregator holds the state of another run of this job; start each run with a fresh "
+                    "job: restart thc-aggregator, remove and add the job (thc-aggregator control), or use "
+                    "another job id")
 
 
 @dataclass
@@ -266,6 +283,14 @@ class Transport:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def in_step(self, policy: LossPolicy | None = None) -> bool:
+        """Whether every answer must hold this worker's contribution, so that no straggler notice can come
+        to it: a one-tier job that needs every worker, under ``reliable`` (no use is ever given up). A
+        notice, or an answer without this worker's share, then means the aggregator's job state is
+        another run's (``AggregatorStateError``)."""
+        p = self.cfg.params
+        return (policy or self.cfg.loss_policy) == "reliable" and not p.tiered and p.threshold == p.workers
+
     # -- low-level calls (numpy only) --------------------------------------------------------------
     def exchange_indices(self, indices: np.ndarray, *, tensor: int = 0) -> UseResults:
         """Send b-bit indices (any length; padded with index 0 to chunks of K) and return the sums.
@@ -280,7 +305,14 @@ class Transport:
                              p.bits, p.elems)
         slots, rounds = self._claim_uses(pkts.shape[0])
         stamp_uses(pkts, slots, rounds)
-        return self._run_packets(PacketType.DATA, pkts, slots, rounds, tensor=tensor)
+        res = self._run_packets(PacketType.DATA, pkts, slots, rounds, tensor=tensor)
+        if not p.tiered:
+            chunk = foreign_chunk(res.sums, res.contributors, res.bitmap, res.lost, np.ascontiguousarray(indices,
+                                  np.uint8).reshape(-1), p.values(), self.wire_worker, OWN_SHARE_PROBE)
+            if chunk >= 0:
+                raise AggregatorStateError(p.job, int(slots[chunk]), f"the result of round {int(rounds[chunk])} "
+                                           "cannot hold this worker's indices")
+        return res
 
     def exchange_int32(self, values: np.ndarray, *, tensor: int = 0) -> UseResults:
         """Uncompressed jobs: send int32 fixed-point values and return their int32 sums."""
@@ -301,7 +333,13 @@ class Transport:
         payload = np.frombuffer(float_bits(norm).to_bytes(4, "big"), np.uint8)[None, :]
         res = self.run_uses(PacketType.NORM, payload, tensor=tensor, policy="reliable")
         bits = int(res.sums[0])
-        return float(np.array([bits], ">u4").view(">f4")[0]), int(res.contributors[0])
+        top = float(np.array([bits], ">u4").view(">f4")[0])
+        p = self.cfg.params
+        counted = not p.tiered and not res.lost[0] and (int(res.bitmap[0]) >> self.wire_worker) & 1
+        if counted and bits < float_bits(norm):  # a max below this worker's own norm (bits order as floats)
+            raise AggregatorStateError(p.job, (self.next_use - 1) % p.slots,
+                                       f"a max norm {top} below this worker's own {norm}")
+        return top, int(res.contributors[0])
 
     def exchange_message(self, payload: np.ndarray, bits: int, *, tensor: int = 0) -> MessageResult:
         """dar jobs: send one codec message (``bits`` exact bits) as one use, return the aggregate.
@@ -471,6 +509,7 @@ class Transport:
         (``worker_lib.result_intake``), used for the batches without a straggler notice.
         """
         cfg, p = self.cfg, self.cfg.params
+        in_step = self.in_step(policy)
         count = len(slots)
         lost = np.zeros(count, bool)
         done = np.zeros(count, bool)
@@ -584,6 +623,9 @@ class Transport:
                         if done[i] or not serial_newer(int(hv["round"][k]), ours):
                             self.stats.unexpected += 1
                             continue
+                        if in_step:
+                            raise AggregatorStateError(p.job, int(slots[i]), f"a straggler notice for round {ours} "
+                                                       f"(the slot is at round {int(hv['round'][k])})")
                         self.stats.stragglers += 1
                         if cfg.on_straggler is not None:
                             cfg.on_straggler(int(slots[i]), ours, int(hv["round"][k]))
