@@ -51,6 +51,7 @@ class RunSpec:
     retries: int = 3
     pcap: Path | None = None  #: per-worker captures (FILE.worker<w>.pcap) when the aggregator is not ours
     leaf_addresses: list[tuple[str, int]] | None = None  #: two tiers: leaf l's address (the workers' aggregators)
+    nonce: float = 1.0  #: the run's nonce (``Transport.open_run``): drawn once per run, the same for every worker
 
 
 WORKER_MODULES = ("torch", "worker_lib.allreduce", "worker_lib.thc", "worker_lib.transport")
@@ -85,6 +86,7 @@ def _worker(spec: RunSpec, worker: int, barrier: mp.synchronize.Barrier) -> None
     out = Path(spec.outdir)
     try:
         with Transport(tcfg) as tr:
+            tr.open_run(spec.nonce)  # refuses a job that another run left on a running aggregator
             ar = THCAllreduce(tr, THCConfig(bits=cfg.bits, granularity=cfg.granularity, p=cfg.p),
                               seed=spec.seed * 31 + worker)
             grads = [gradient(spec.seed, worker, spec.dim, s) for s in range(spec.steps)]
@@ -259,10 +261,12 @@ def run(args: argparse.Namespace) -> dict:
             members = [stack.enter_context(local_aggregator(
                 [job], shards=args.shards, multicast=bool(job.multicast), member=(i, args.aggregators),
                 pcap=member_pcap(args.pcap, i, args.aggregators))) for i in range(args.aggregators)]
+        preload.join()  # no thread may run across the fork
+        from worker_lib.transport import run_nonce
+
         spec = RunSpec(job, members, args.shards, args.dim, args.steps, args.seed, args.loss_policy,
                        args.drop_up, args.drop_down, args.timeout, args.deadline, tmp, args.multicast, args.retries,
-                       args.pcap if args.aggregator else None, leaf_addresses)
-        preload.join()  # no thread may run across the fork
+                       args.pcap if args.aggregator else None, leaf_addresses, run_nonce())
         ctx = mp.get_context("fork")
         barrier = ctx.Barrier(args.workers)
         procs = [ctx.Process(target=_worker, args=(spec, w, barrier), name=f"thc-worker{w}")

@@ -28,8 +28,9 @@ def test_four_workers_bit_exact() -> None:
     assert s["exact"] is True and s["consistent_average"] is True
     assert s["decoded_vs_reference_max_abs"] is not None and s["decoded_vs_reference_max_abs"] < 1e-5
     assert 0 < s["nmse"] < 0.2 and s["seconds"] > 0
-    # the default K at a 1500-byte MTU is 1440: 46 chunks (the last one partial) and the norm
-    assert s["lost_chunks"] == 0 and s["results"] == 4 * (-(-65536 // 1440) + 1)
+    # the default K at a 1500-byte MTU is 1440: 46 chunks (the last one partial), the norm, and the run's
+    # opening (Transport.open_run)
+    assert s["lost_chunks"] == 0 and s["results"] == 4 * (-(-65536 // 1440) + 2)
 
 
 def test_several_aggregators_share_the_slots() -> None:
@@ -37,7 +38,7 @@ def test_several_aggregators_share_the_slots() -> None:
     member and shard that own it; the sums stay exact, also under loss."""
     s = allreduce("--workers", "3", "--dim", "65536", "--aggregators", "2", "--shards", "2")
     assert s["exact"] is True and s["consistent_average"] is True and len(s["aggregator"].split(",")) == 2
-    assert s["results"] == 3 * (-(-65536 // 1440) + 1)
+    assert s["results"] == 3 * (-(-65536 // 1440) + 2)  # the chunks, the norm, the run's opening
     lossy = allreduce("--workers", "3", "--dim", "32768", "--aggregators", "2", "--drop-up", "0.05",
                       "--drop-down", "0.05", "--seed", "4")
     assert lossy["exact"] is True and lossy["dropped_up"] + lossy["dropped_down"] > 0

@@ -368,7 +368,7 @@ import json, socket, sys
 import torch, torch.distributed as dist
 from numba.core.registry import CPUDispatcher
 from torch.nn.parallel import DistributedDataParallel
-from worker_lib.ddp import DDPHookConfig, register_thc_hook
+from worker_lib.ddp import AggregatorStateError, DDPHookConfig, register_thc_hook
 from worker_lib.job import parse_job_spec
 from worker_lib.thc import fused
 
@@ -388,8 +388,14 @@ after_registration = loaded()
 for step in range(2):
     model.zero_grad()
     model(torch.randn(8, 64)).square().sum().backward()
-print(json.dumps({"registered": after_registration, "trained": loaded(), "buckets": state.stats.buckets}))
 state.close()
+try:  # a second run on the same job: the aggregator holds the first run's state
+    register_thc_hook(DistributedDataParallel(torch.nn.Linear(64, 10)), cfg)
+    again = "registered"
+except AggregatorStateError as exc:
+    again = str(exc)
+print(json.dumps({"registered": after_registration, "trained": loaded(), "buckets": state.stats.buckets,
+                  "again": again}))
 dist.destroy_process_group()
 """
 
@@ -397,7 +403,8 @@ dist.destroy_process_group()
 def test_hook_registration_loads_what_the_first_step_runs(one_worker: OneWorkerJobs) -> None:
     """register_thc_hook loads the codec's compiled passes (numba's set-up and each pass's code) before
     training: the hook's first steps load none (in a first step it took 0.6 s of a 0.03 s step), and the
-    passes a step runs are among those loaded at registration, with the types the step uses."""
+    passes a step runs are among those loaded at registration, with the types the step uses. A second
+    registration on the same job raises AggregatorStateError."""
     job = one_worker.jobs["thc"].pop()
     proc = subprocess.run([sys.executable, "-c", _FIRST_STEP, str(one_worker.port), job.spec()], cwd=ROOT,
                           env=_env(), capture_output=True, text=True, timeout=120)
@@ -407,3 +414,5 @@ def test_hook_registration_loads_what_the_first_step_runs(one_worker: OneWorkerJ
     assert seen["trained"] == seen["registered"]  # nothing loaded inside the steps
     for name in ("sum_signs_pad_into", "quantize_residual_into", "unscale_signs_into", "estimate_into"):
         assert seen["registered"][name], f"{name} was not loaded at registration"
+    # registering again on the job the first run used is refused at once (Transport.open_run)
+    assert "start each run with a fresh job" in seen["again"], seen["again"]

@@ -56,11 +56,20 @@ from worker_lib.allreduce import TransportExchange, check_table, thc_allreduce
 from worker_lib.job import JobConfig
 from worker_lib.thc import THCConfig, THCWorker
 from worker_lib.thc.codec import warm_up
-from worker_lib.transport import AggregatorUnreachable, LossPolicy, Transport, TransportConfig, data_sums_type
+from worker_lib.transport import (
+    AggregatorStateError,
+    AggregatorUnreachable,
+    LossPolicy,
+    Transport,
+    TransportConfig,
+    data_sums_type,
+    run_nonce,
+)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AggregatorUnreachable", "DDPHookConfig", "HookStats", "THCHookState", "register_thc_hook", "thc_hook"]
+__all__ = ["AggregatorStateError", "AggregatorUnreachable", "DDPHookConfig", "HookStats", "THCHookState",
+           "register_thc_hook", "thc_hook"]
 
 _INT32_MAX = (1 << 31) - 1
 
@@ -344,10 +353,19 @@ def thc_hook(state: THCHookState, bucket: dist.GradBucket) -> torch.futures.Futu
 
 def register_thc_hook(model: torch.nn.parallel.DistributedDataParallel, config: DDPHookConfig, *,
                       process_group: dist.ProcessGroup | None = None) -> THCHookState:
-    """Create the hook's state for this rank and register ``thc_hook`` on ``model``; returns the state."""
+    """Create the hook's state for this rank and register ``thc_hook`` on ``model``; returns the state.
+
+    Before it returns, each device's THC worker is ready (``THCHookState.prepare``) and the ranks have made
+    the run's first use (``Transport.open_run`` with a nonce of rank 0's): a job that an earlier run left
+    on the aggregator raises ``AggregatorStateError`` here, not a training on its state."""
     state = THCHookState(config, process_group=process_group)
     try:
         state.prepare({p.device for p in model.parameters()})
+        # the run's first use, with a nonce of rank 0's: refuses an aggregator job that holds another run's state
+        nonce = [run_nonce() if state.rank == 0 else None]
+        dist.broadcast_object_list(nonce, src=0 if process_group is None else dist.get_global_rank(process_group, 0),
+                                   group=process_group)
+        state.transport.open_run(nonce[0])
     except BaseException:
         state.close()
         raise

@@ -35,6 +35,7 @@ Usage::
 
     params = JobConfig(job=1, key=0x54484321, workers=4, bits=4)
     tr = Transport(TransportConfig(params, worker=0, aggregator=("127.0.0.1", 9451)))
+    tr.open_run(nonce)         # the same run_nonce() on every worker of the run, handed out by its launcher
     ar = THCAllreduce(tr, THCConfig())               # worker_lib.allreduce
     avg = ar.allreduce(grad, tensor=0, step=s).average
 """
@@ -206,6 +207,14 @@ def data_sums_type(job: JobConfig) -> type:
     return np.uint8 if job.result_bits == 8 else np.int64
 
 
+def run_nonce(rng: np.random.Generator | None = None) -> float:
+    """A run's nonce for ``Transport.open_run``: a positive normal float32 value from 2^31 or so, drawn
+    once per run by whoever starts its workers and handed to each of them."""
+    rng = rng or np.random.default_rng()
+    bits = int(rng.integers(0x00800000, 0x7F000000))
+    return float(np.array([bits], np.uint32).view(np.float32)[0])
+
+
 @dataclass
 class UseResults:
     """Answers to a run of uses: sums (or norm bits), contributor counts, bitmaps, and what was lost."""
@@ -340,6 +349,24 @@ class Transport:
             raise AggregatorStateError(p.job, (self.next_use - 1) % p.slots,
                                        f"a max norm {top} below this worker's own {norm}")
         return top, int(res.contributors[0])
+
+    def open_run(self, nonce: float, *, tensor: int = 0) -> None:
+        """A run's first use, which every worker of the run makes with the same ``nonce`` (a positive
+        float32 value drawn once per run and shared by whoever starts the workers, ``run_nonce``): published
+        as a norm, it comes back as the job's max norm unless the aggregator answered with the state of
+        another run of the job. Raises ``AggregatorStateError`` then (docs/protocol.md, "A new run needs a
+        fresh job"). Why it suffices where every worker is needed under ``reliable``: slot 0 takes a run's
+        first use, and an earlier run used slot 0 at least as often as any other slot; round 0 of slot 0
+        then meets either that run's retained result (its nonce, or a norm, not this one), a slot two or
+        more rounds on (a straggler notice, refused), or a slot that a newer round starts afresh, as every
+        other slot then does too."""
+        if not (nonce > 0 and float(np.float32(nonce)) == nonce):
+            raise ValueError(f"a run's nonce must be a positive float32 value, got {nonce}")
+        top, contributors = self.exchange_norm(nonce, tensor=tensor)
+        if contributors and top != nonce:
+            p = self.cfg.params
+            raise AggregatorStateError(p.job, (self.next_use - 1) % p.slots,
+                                       f"the run's first use came back with {top}, not this run's nonce {nonce}")
 
     def exchange_message(self, payload: np.ndarray, bits: int, *, tensor: int = 0) -> MessageResult:
         """dar jobs: send one codec message (``bits`` exact bits) as one use, return the aggregate.
