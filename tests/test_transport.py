@@ -30,6 +30,7 @@ from worker_lib.transport import (
 )
 from worker_lib.udp_offload import gso_available
 from worker_lib.wire import Header
+from worker_lib.wire.layout import PacketType
 from worker_lib.wire.protocol import Counter
 
 # Timeouts of a fraction of a second, and what was resent before them: alone, not beside another test.
@@ -263,6 +264,35 @@ def test_a_run_opened_on_another_runs_job_is_refused() -> None:
         assert all(isinstance(r, UseResults) for r in run(srv, second))
     with pytest.raises(ValueError, match="positive float32"):
         Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", 9))).open_run(0.1)
+
+
+def test_a_notice_caused_by_an_old_copy_is_not_the_uses() -> None:
+    """A one-tier notice does not carry the round it refuses: only the slot's current round and the refused
+    datagram's tensor and chunk. Where no notice can come within a run, one that echoes another chunk (a late
+    copy of an earlier use of the slot) is counted as unexpected and changes nothing; one that echoes the
+    open use's own chunk raises AggregatorStateError. Forged here, while a relay holds the requests."""
+    cfg = JobConfig(workers=1, slots=8, elems=K)
+    (idx,) = random_indices(cfg, 3, seed=6)
+    with serving(cfg) as srv, delaying_relay(srv.port, 0.3) as port, \
+            Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port))) as tr, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as forger:
+
+        def notice(slot: int, chunk: int) -> None:
+            time.sleep(0.1)  # the uses are out, held by the relay
+            forger.sendto(Header(type=int(PacketType.STRAGGLER), job=cfg.job, key=cfg.key, table_id=cfg.table_id,
+                                 slot=slot, round=5, tensor=0, chunk=chunk).pack(b""), tr.address)
+
+        th = threading.Thread(target=notice, args=(0, 7))
+        th.start()
+        res = tr.exchange_indices(idx)
+        th.join()
+        assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
+        assert tr.stats.stragglers == 0 and tr.stats.unexpected >= 1
+        th = threading.Thread(target=notice, args=(3, 0))  # the next exchange's first use: slot 3, chunk 0
+        th.start()
+        with pytest.raises(AggregatorStateError, match=r"slot 3: a straggler notice for round 0 \(the slot is at"):
+            tr.exchange_indices(idx)
+        th.join()
 
 
 def test_two_jobs_never_touch_each_other() -> None:

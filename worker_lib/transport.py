@@ -62,7 +62,7 @@ from worker_lib.resend_timers import due_uses
 from worker_lib.result_intake import OWN_SHARE_PROBE, foreign_chunk, has_notice, take_results
 from worker_lib.udp_offload import GSO_BYTES, GSO_SEGMENTS, SOL_UDP, UDP_SEGMENT, gso_available
 from worker_lib.wire.index_packets import index_packets, stamp_uses
-from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, PacketType
+from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, PacketType, field_offsets
 from worker_lib.wire.pcap import PcapWriter
 from worker_lib.wire.protocol import ROUND_MASK, Header, fragment_count, serial_newer
 from worker_lib.wire.serializer import build_batch, float_bits, header_view
@@ -89,6 +89,8 @@ class AggregatorStateError(RuntimeError):
     def __init__(self, job: int, slot: int, what: str) -> None:
         super().__init__(f"job {job}, slot {slot}: {what}: {STALE_JOB_ADVICE}")
 
+
+_CHUNK_AT = field_offsets()["chunk"]  #: the header's chunk field (32 bits, big-endian)
 
 #: What to do about an ``AggregatorStateError`` (also matched in the message of DDP's wrapped exceptions).
 STALE_JOB_ADVICE = ("the aggregator holds the state of another run of this job; start each run with a fresh "
@@ -558,6 +560,13 @@ class Transport:
 
         due_buf = np.empty(count, np.int64)
 
+        def echoes(notice: np.void, datagrams: Iterable) -> bool:
+            """Whether a straggler notice answers one of a use's own datagrams (their tensor and chunk, which
+            a notice echoes), not a late copy of an earlier use of the slot, whose notice says nothing of
+            this use (one-tier notices do not carry the refused round)."""
+            return int(notice["tensor"]) == tensor and int(notice["chunk"]) in {
+                int.from_bytes(bytes(d[_CHUNK_AT:_CHUNK_AT + 4]), "big") for d in datagrams}
+
         def deadlines(base: int, nxt: int, now: float) -> tuple[np.ndarray, int, float]:
             """The open uses of base..nxt-1 due to be resent at ``now`` (a view that the next call
             overwrites), how many of them RACK found lost, and the earliest deadline of any open use
@@ -651,6 +660,9 @@ class Transport:
                             self.stats.unexpected += 1
                             continue
                         if in_step:
+                            if not echoes(hv[k], packets[i]):  # caused by an old copy of an earlier use
+                                self.stats.unexpected += 1
+                                continue
                             raise AggregatorStateError(p.job, int(slots[i]), f"a straggler notice for round {ours} "
                                                        f"(the slot is at round {int(hv['round'][k])})")
                         self.stats.stragglers += 1
