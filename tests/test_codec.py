@@ -148,7 +148,7 @@ def test_residual_taken_twice_or_after_a_second_compress_is_still_its_definition
     the buffer or (a second time) from the indices again, is x - RHT^-1(X_i) of the indices sent last
     (float64 definition), and the two ways agree to float32 rounding."""
     d = 1500
-    g, e = torch.randn(d), torch.full((d,), 0.01)
+    g, e = torch.randn(d, generator=torch.Generator().manual_seed(76)), torch.full((d,), 0.01)
     config = THCConfig(error_feedback=False)
     keeper, plain = THCWorker(config, job=3, seed=6), THCWorker(config, job=3, seed=6)
     n = keeper.begin(g, 0, 2, error=e)
@@ -161,8 +161,12 @@ def test_residual_taken_twice_or_after_a_second_compress_is_still_its_definition
     second = keeper.residual(0, out=torch.empty(d))  # the buffer is consumed: from the indices
     rht = RandomizedHadamard(d, SignKey.derive(3, 0, 2), dtype=torch.float64)
     x_i = own_values_f64(keeper, indices, enc.scale)
+    # float32 rounding of the 2048-point inverse transform: each of its 11 levels may round its first output
+    # (the sum of all inputs over sqrt(D)) by 2^-24 of the inputs' magnitudes. A fixed 1e-5 failed there for 2 %
+    # of random gradients (up to 1.4e-5, this seed's 1.2e-5; 0.71 of this bound at most in 300 draws).
+    tol = 1e-6 + 11 * 2.0 ** -24 * float(x_i.abs().sum()) / math.sqrt(rht.padded)
     for res in (first, second):
-        assert torch.allclose(res.double(), (g + e).double() - rht.inverse(x_i), atol=1e-5)
+        assert torch.allclose(res.double(), (g + e).double() - rht.inverse(x_i), atol=tol)
     assert torch.allclose(first, second, rtol=0, atol=1e-6)
     decoded = keeper.finish(0, keeper.codec.aggregate([indices]), 1)
     assert torch.allclose(decoded.double(), rht.inverse(x_i), atol=1e-5)
