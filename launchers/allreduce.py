@@ -47,11 +47,11 @@ class RunSpec:
     timeout: float
     deadline: float
     outdir: str
+    nonce: float  #: the run's nonce (``Transport.open_run``): drawn once per run, the same for every worker
     multicast: str | None = None
     retries: int = 3
     pcap: Path | None = None  #: per-worker captures (FILE.worker<w>.pcap) when the aggregator is not ours
     leaf_addresses: list[tuple[str, int]] | None = None  #: two tiers: leaf l's address (the workers' aggregators)
-    nonce: float = 1.0  #: the run's nonce (``Transport.open_run``): drawn once per run, the same for every worker
 
 
 WORKER_MODULES = ("torch", "worker_lib.allreduce", "worker_lib.thc", "worker_lib.transport")
@@ -265,8 +265,8 @@ def run(args: argparse.Namespace) -> dict:
         from worker_lib.transport import run_nonce
 
         spec = RunSpec(job, members, args.shards, args.dim, args.steps, args.seed, args.loss_policy,
-                       args.drop_up, args.drop_down, args.timeout, args.deadline, tmp, args.multicast, args.retries,
-                       args.pcap if args.aggregator else None, leaf_addresses, run_nonce())
+                       args.drop_up, args.drop_down, args.timeout, args.deadline, tmp, run_nonce(), args.multicast,
+                       args.retries, args.pcap if args.aggregator else None, leaf_addresses)
         ctx = mp.get_context("fork")
         barrier = ctx.Barrier(args.workers)
         procs = [ctx.Process(target=_worker, args=(spec, w, barrier), name=f"thc-worker{w}")

@@ -257,6 +257,8 @@ class Transport:
         #: the ``worker`` field of this worker's packets: its local id at its leaf in a two-tier job
         self.wire_worker = p.tier_of(cfg.worker)[1] if p.tiered else cfg.worker
         self.next_use = 0
+        #: ``open_run`` found the job fresh: where it decides (``in_step``), answers need no further check
+        self.opened = False
         self.slot_round = [0] * p.slots
         self.stats = TransportStats()
         self._rng = np.random.default_rng([cfg.seed, cfg.worker])
@@ -317,7 +319,7 @@ class Transport:
         slots, rounds = self._claim_uses(pkts.shape[0])
         stamp_uses(pkts, slots, rounds)
         res = self._run_packets(PacketType.DATA, pkts, slots, rounds, tensor=tensor)
-        if not p.tiered:
+        if not p.tiered and not (self.opened and self.in_step()):  # 0.4 ms for 2^22 indices: only where needed
             chunk = foreign_chunk(res.sums, res.contributors, res.bitmap, res.lost, np.ascontiguousarray(indices,
                                   np.uint8).reshape(-1), p.values(), self.wire_worker, OWN_SHARE_PROBE)
             if chunk >= 0:
@@ -369,6 +371,7 @@ class Transport:
             p = self.cfg.params
             raise AggregatorStateError(p.job, (self.next_use - 1) % p.slots,
                                        f"the run's first use came back with {top}, not this run's nonce {nonce}")
+        self.opened = True
 
     def exchange_message(self, payload: np.ndarray, bits: int, *, tensor: int = 0) -> MessageResult:
         """dar jobs: send one codec message (``bits`` exact bits) as one use, return the aggregate.
