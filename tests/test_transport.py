@@ -266,15 +266,18 @@ def test_a_run_opened_on_another_runs_job_is_refused() -> None:
         Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", 9))).open_run(0.1)
 
 
-def test_a_notice_caused_by_an_old_copy_is_not_the_uses() -> None:
+@pytest.mark.parametrize("policy", ["reliable", "zero-fill"])
+def test_a_notice_caused_by_an_old_copy_is_not_the_uses(policy: str) -> None:
     """A one-tier notice does not carry the round it refuses: only the slot's current round and the refused
-    datagram's tensor and chunk. Where no notice can come within a run, one that echoes another chunk (a late
-    copy of an earlier use of the slot) is counted as unexpected and changes nothing; one that echoes the
-    open use's own chunk raises AggregatorStateError. Forged here, while a relay holds the requests."""
+    datagram's tensor and chunk. One that echoes another chunk (a late copy of an earlier use of the slot) is
+    counted as unexpected and changes nothing, under either policy. One that echoes the open use's own chunk
+    raises AggregatorStateError where no notice can come within a run (``reliable``, every worker needed),
+    and gives the use up under ``zero-fill``. Forged here, while a relay holds the requests."""
     cfg = JobConfig(workers=1, slots=8, elems=K)
     (idx,) = random_indices(cfg, 3, seed=6)
     with serving(cfg) as srv, delaying_relay(srv.port, 0.3) as port, \
-            Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port))) as tr, \
+            Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), loss_policy=policy,
+                                      timeout=1.0)) as tr, \
             socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as forger:
 
         def notice(slot: int, chunk: int) -> None:
@@ -290,8 +293,13 @@ def test_a_notice_caused_by_an_old_copy_is_not_the_uses() -> None:
         assert tr.stats.stragglers == 0 and tr.stats.unexpected >= 1
         th = threading.Thread(target=notice, args=(3, 0))  # the next exchange's first use: slot 3, chunk 0
         th.start()
-        with pytest.raises(AggregatorStateError, match=r"slot 3: a straggler notice for round 0 \(the slot is at"):
-            tr.exchange_indices(idx)
+        if policy == "reliable":
+            with pytest.raises(AggregatorStateError, match=r"slot 3: a straggler notice for round 0 \(the slot is"):
+                tr.exchange_indices(idx)
+        else:
+            res = tr.exchange_indices(idx)
+            assert res.lost.tolist() == [True, False, False] and tr.stats.stragglers == 1
+            assert np.array_equal(res.sums[1:], oracle(cfg, [idx], [0])[1:])
         th.join()
 
 

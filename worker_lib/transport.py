@@ -11,10 +11,12 @@ means:
   zero in the transformed domain, and reported in ``TransportStats.lost_chunks``.
 
 A straggler notice (the slot has moved on past our round: its result is gone) marks the use lost,
-is counted, and calls ``on_straggler``. Where no notice can come to a worker of this run (a one-tier
-job, every worker needed, ``reliable``), a notice, or an answer that cannot hold this worker's own
-contribution, means that the aggregator's job holds the rounds of another run: ``AggregatorStateError``
-(docs/protocol.md, "A new run needs a fresh job"). ``exchange_indices`` / ``exchange_norm`` are the low-level
+is counted, and calls ``on_straggler``; one that echoes another tensor or chunk than the use's own
+datagrams answers a late copy of an earlier use of the slot and is counted as unexpected. Where no
+notice can come to a worker of this run (a one-tier job, every worker needed, ``reliable``), a notice
+for the use, or an answer that cannot hold this worker's own contribution, means that the aggregator's
+job holds the rounds of another run: ``AggregatorStateError`` (docs/protocol.md, "A new run needs a
+fresh job"). ``exchange_indices`` / ``exchange_norm`` are the low-level
 calls (numpy only, no torch); ``worker_lib.allreduce`` adds THC's norm stage, compression and
 decoding on top. ``exchange_message`` carries one whole codec message of a ``dar`` job
 (decompress-aggregate-recompress, software aggregator only) as fragments and reassembles the
@@ -662,10 +664,10 @@ class Transport:
                         if done[i] or not serial_newer(int(hv["round"][k]), ours):
                             self.stats.unexpected += 1
                             continue
+                        if not echoes(hv[k], packets[i]):  # caused by a late copy of an earlier use
+                            self.stats.unexpected += 1
+                            continue
                         if in_step:
-                            if not echoes(hv[k], packets[i]):  # caused by an old copy of an earlier use
-                                self.stats.unexpected += 1
-                                continue
                             raise AggregatorStateError(p.job, int(slots[i]), f"a straggler notice for round {ours} "
                                                        f"(the slot is at round {int(hv['round'][k])})")
                         self.stats.stragglers += 1
