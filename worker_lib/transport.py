@@ -13,7 +13,7 @@ means:
 A straggler notice (the slot has moved on past our round: its result is gone) marks the use lost,
 is counted, and calls ``on_straggler``; one that echoes another tensor or chunk than the use's own
 datagrams answers a late copy of an earlier use of the slot and is counted as unexpected. Where no
-notice can come to a worker of this run (a one-tier job, every worker needed, ``reliable``), a notice
+notice can come to a worker of this run (every worker needed, ``reliable``), a notice
 for the use, or an answer that cannot hold this worker's own contribution, means that the aggregator's
 job holds the rounds of another run: ``AggregatorStateError`` (docs/protocol.md, "A new run needs a
 fresh job"). ``exchange_indices`` / ``exchange_norm`` are the low-level
@@ -300,11 +300,12 @@ class Transport:
 
     def in_step(self, policy: LossPolicy | None = None) -> bool:
         """Whether every answer must hold this worker's contribution, so that no straggler notice can come
-        to it: a one-tier job that needs every worker, under ``reliable`` (no use is ever given up). A
-        notice, or an answer without this worker's share, then means the aggregator's job state is
-        another run's (``AggregatorStateError``)."""
+        to it: a job that needs every worker, under ``reliable`` (no use is ever given up). In a two-tier
+        job too: a leaf needs all its workers and the spine every leaf, and a leaf passes a spine's notice
+        down only for the round it forwarded last. A notice, or an answer without this worker's share, then
+        means the aggregator's job state is another run's (``AggregatorStateError``)."""
         p = self.cfg.params
-        return (policy or self.cfg.loss_policy) == "reliable" and not p.tiered and p.threshold == p.workers
+        return (policy or self.cfg.loss_policy) == "reliable" and p.threshold == p.workers
 
     # -- low-level calls (numpy only) --------------------------------------------------------------
     def exchange_indices(self, indices: np.ndarray, *, tensor: int = 0) -> UseResults:
