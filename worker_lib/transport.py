@@ -13,16 +13,15 @@ means:
 A straggler notice (the slot has moved on past our round: its result is gone) marks the use lost,
 is counted, and calls ``on_straggler``; one that echoes another tensor or chunk than the use's own
 datagrams answers a late copy of an earlier use of the slot and is counted as unexpected. Where no
-notice can come to a worker of this run (every worker needed, ``reliable``), a notice
-for the use, or an answer that cannot hold this worker's own contribution, means that the aggregator's
-job holds the rounds of another run: ``AggregatorStateError`` (docs/protocol.md, "A new run needs a
-fresh job"). ``exchange_indices`` / ``exchange_norm`` are the low-level
-calls (numpy only, no torch); ``worker_lib.allreduce`` adds THC's norm stage, compression and
-decoding on top. ``exchange_message`` carries one whole codec message of a ``dar`` job
-(decompress-aggregate-recompress, software aggregator only) as fragments and reassembles the
-aggregator's re-encoded average. Both run on one engine, ``_exchange``: a window of uses in flight,
-timeouts and retransmission, straggler notices, the deadline; each call gives it the datagrams of
-its uses, what to resend on a timeout, and how to accept an answer.
+notice can come to a worker of this run (every worker needed, ``reliable``), a notice for the use, or an
+answer that cannot hold this worker's own contribution, means that the aggregator's job holds the
+rounds of another run: ``AggregatorStateError`` (docs/protocol.md, "A new run needs a fresh job").
+``exchange_indices`` / ``exchange_norm`` are the low-level calls (numpy only, no torch);
+``worker_lib.allreduce`` adds THC's norm stage, compression and decoding on top. ``exchange_message``
+carries one whole codec message of a ``dar`` job (decompress-aggregate-recompress, software aggregator
+only) as fragments and reassembles the aggregator's re-encoded average. Both run on one engine,
+``_exchange``: a window of uses in flight, timeouts and retransmission, straggler notices, the deadline;
+each call gives it the datagrams of its uses, what to resend on a timeout, and how to accept an answer.
 
 When to resend and how many uses to keep in flight is the transport's ``Pacer``
 (``worker_lib/pacing.py``): under ``reliable`` the timeout follows the measured round trip (3 times the
@@ -302,8 +301,8 @@ class Transport:
         """Whether every answer must hold this worker's contribution, so that no straggler notice can come
         to it: a job that needs every worker, under ``reliable`` (no use is ever given up). In a two-tier
         job too: a leaf needs all its workers and the spine every leaf, and a leaf passes a spine's notice
-        down only for the round it forwarded last. A notice, or an answer without this worker's share, then
-        means the aggregator's job state is another run's (``AggregatorStateError``)."""
+        down only for a round it forwarded and has no result for. A notice, or an answer without this
+        worker's share, then means the aggregator's job state is another run's (``AggregatorStateError``)."""
         p = self.cfg.params
         return (policy or self.cfg.loss_policy) == "reliable" and p.threshold == p.workers
 
