@@ -10,7 +10,6 @@ import json
 import re
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -23,8 +22,9 @@ from aggregator.tiers import Dest, LeafAggregator, SpineAggregator
 from launchers.aggregator_process import local_tiers
 from tests.cli_support import call_main
 from tests.scenarios import TIER_SCENARIOS, check_tier_answer, scenario_packet
+from tests.transport_support import opened_runs
 from worker_lib.job import JobConfig, JobConfigError, job_from_mapping, parse_job_spec
-from worker_lib.transport import AggregatorStateError, Transport, TransportConfig, UseResults
+from worker_lib.transport import AggregatorStateError, UseResults
 from worker_lib.wire import Header, PacketType, float_bits, pack_bits
 from worker_lib.wire.protocol import Counter, TierCounter
 
@@ -374,32 +374,15 @@ def test_a_new_run_on_a_two_tier_job_another_run_used_is_refused() -> None:
     cfg = JobConfig(leaves=(1, 2), workers=3, slots=8, elems=K)
     idx = np.random.default_rng(5).integers(0, 1 << cfg.bits, (cfg.workers, 20 * K)).astype(np.uint8)
 
-    def run(leaves: list[tuple[str, int]], nonce: float, chunks: int) -> list[object]:
-        out: list[object] = [None] * cfg.workers
-
-        def go(w: int) -> None:
-            try:
-                with Transport(TransportConfig(cfg, worker=w, aggregator=leaves[cfg.tier_of(w)[0]], deadline=10)) as tr:
-                    tr.open_run(nonce)
-                    out[w] = tr.exchange_indices(idx[w, :chunks * K])
-            except BaseException as exc:  # checked below
-                out[w] = exc
-
-        threads = [threading.Thread(target=go, args=(w,)) for w in range(cfg.workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        return out
-
     want = cfg.values()[idx].sum(axis=0)
     for chunks, why in ((20, r"slot 0: a straggler notice for round 0 \(the slot is at round 2\)"),
                         (4, r"slot 0: the run's first use came back with 3\.0, not this run's nonce 2\.5")):
         with local_tiers(cfg) as (_spine, leaves):
-            for r in run(leaves, 3.0, chunks):
+            leaf_of = [leaves[cfg.tier_of(w)[0]] for w in range(cfg.workers)]
+            for r in opened_runs(cfg, leaf_of, 3.0, idx[:, :chunks * K]):
                 assert isinstance(r, UseResults) and not r.lost.any()
                 assert np.array_equal(r.sums.reshape(-1), want[:chunks * K]) and (r.contributors == 3).all()
-            for r in run(leaves, 2.5, chunks):
+            for r in opened_runs(cfg, leaf_of, 2.5, idx[:, :chunks * K]):
                 assert isinstance(r, AggregatorStateError) and re.search(why, str(r)), r
 
 

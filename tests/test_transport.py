@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from aggregator.server import AggregatorServer, ServerConfig
+from tests.transport_support import opened_runs
 from worker_lib.allreduce import THCAllreduce
 from worker_lib.job import JobConfig
 from worker_lib.thc import SignKey, THCCodec, THCConfig, lookup_sum
@@ -233,35 +234,18 @@ def test_a_run_opened_on_another_runs_job_is_refused() -> None:
     data is exchanged. On a fresh job the same opening passes, and the data that follows is exact."""
     cfg = JobConfig(workers=4, slots=8, elems=K)
     idx = random_indices(cfg, 3, seed=4)
-
-    def run(srv: AggregatorServer, nonce: float) -> list[object]:
-        out: list[object] = [None] * cfg.workers
-
-        def go(w: int) -> None:
-            try:
-                with Transport(TransportConfig(cfg, worker=w, aggregator=("127.0.0.1", srv.port))) as tr:
-                    tr.open_run(nonce)
-                    out[w] = tr.exchange_indices(idx[w])
-            except BaseException as exc:  # checked below
-                out[w] = exc
-
-        ths = [threading.Thread(target=go, args=(w,)) for w in range(cfg.workers)]
-        for t in ths:
-            t.start()
-        for t in ths:
-            t.join(timeout=60)
-        return out
-
     first, second = 3.0, 2.5  # a second nonce above the first is refused as a max norm below its own
     nonces = {run_nonce(np.random.default_rng(seed)) for seed in range(50)}
     assert len(nonces) == 50 and all(n > 0 and float(np.float32(n)) == n for n in nonces)
     with serving(cfg) as srv:
-        for r in run(srv, first):
+        local = [("127.0.0.1", srv.port)] * cfg.workers
+        for r in opened_runs(cfg, local, first, idx):
             assert isinstance(r, UseResults) and np.array_equal(r.sums, oracle(cfg, idx, [0, 1, 2, 3]))
-        for r in run(srv, second):
+        for r in opened_runs(cfg, local, second, idx):
             assert isinstance(r, AggregatorStateError) and f"came back with {first}, not this run's nonce" in str(r)
     with serving(cfg) as srv:
-        assert all(isinstance(r, UseResults) for r in run(srv, second))
+        local = [("127.0.0.1", srv.port)] * cfg.workers
+        assert all(isinstance(r, UseResults) for r in opened_runs(cfg, local, second, idx))
     with pytest.raises(ValueError, match="positive float32"):
         Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", 9))).open_run(0.1)
 
