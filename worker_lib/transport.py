@@ -352,9 +352,13 @@ class Transport:
         p = self.cfg.params
         counted = not p.tiered and not res.lost[0] and (int(res.bitmap[0]) >> self.wire_worker) & 1
         if counted and bits < float_bits(norm):  # a max below this worker's own norm (bits order as floats)
-            raise AggregatorStateError(p.job, (self.next_use - 1) % p.slots,
+            raise AggregatorStateError(p.job, self._last_slot(),
                                        f"a max norm {top} below this worker's own {norm}")
         return top, int(res.contributors[0])
+
+    def _last_slot(self) -> int:
+        """The slot of the latest use claimed (the norm stage's one use, where its check fails)."""
+        return (self.next_use - 1) % self.cfg.params.slots
 
     def open_run(self, nonce: float, *, tensor: int = 0) -> None:
         """A run's first use, which every worker of the run makes with the same ``nonce`` (a positive
@@ -370,8 +374,7 @@ class Transport:
             raise ValueError(f"a run's nonce must be a positive float32 value, got {nonce}")
         top, contributors = self.exchange_norm(nonce, tensor=tensor)
         if contributors and top != nonce:
-            p = self.cfg.params
-            raise AggregatorStateError(p.job, (self.next_use - 1) % p.slots,
+            raise AggregatorStateError(self.cfg.params.job, self._last_slot(),
                                        f"the run's first use came back with {top}, not this run's nonce {nonce}")
         self.opened = True
 
@@ -661,10 +664,8 @@ class Transport:
                     for k in np.flatnonzero(notice).tolist():  # rare: one per use at most
                         i = int(use[k])
                         ours = int(rounds[i])
-                        if done[i] or not serial_newer(int(hv["round"][k]), ours):
-                            self.stats.unexpected += 1
-                            continue
-                        if not echoes(hv[k], packets[i]):  # caused by a late copy of an earlier use
+                        # not newer than the use's round, or caused by a late copy of an earlier use
+                        if done[i] or not serial_newer(int(hv["round"][k]), ours) or not echoes(hv[k], packets[i]):
                             self.stats.unexpected += 1
                             continue
                         if in_step:
