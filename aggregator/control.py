@@ -276,11 +276,13 @@ class ControlChannel:
             reply, _ = commit(cmd, {j.job: j for j in self._jobs()}, self._totals)
             self._reply(reply, peer)
 
-    def apply(self, jobs: list[JobConfig], install: Callable[[list[JobConfig]], None]) -> None:
-        """Apply the waiting job changes in order: ``install`` the job list they leave (if any changed),
-        then answer them, so that a reply is never seen before its change."""
+    def apply(self, jobs: list[JobConfig], install: Callable[[list[JobConfig], frozenset[int]], None]) -> None:
+        """Apply the waiting job changes in order: ``install`` the job list they leave (if any changed) with
+        the ids of the jobs an ``add`` named, which start fresh even where their settings did not change
+        (docs/protocol.md, "A new run needs a fresh job"), then answer them, so that a reply is never seen
+        before its change."""
         table = {j.job: j for j in jobs}
-        changed, replies = False, []
+        changed, fresh, replies = False, set(), []
         while True:
             try:
                 cmd, peer = self._pending.get_nowait()
@@ -289,9 +291,11 @@ class ControlChannel:
             reply, new = commit(cmd, table, self._totals)
             if new is not None:
                 table, changed = new, True
+                if cmd.verb == "add":
+                    fresh.add(cmd.arg.job)
             replies.append((reply, peer))
         if changed:
-            install(list(table.values()))
+            install(list(table.values()), frozenset(fresh & table.keys()))
         for reply, peer in replies:
             self._reply(reply, peer)
 

@@ -190,18 +190,23 @@ class AggregatorServer:
         self.out(f"reloaded: jobs {sorted(j.job for j in self.jobs)}")
         return self.jobs
 
-    def _poll_control(self) -> list[JobConfig] | None:
-        """Apply the job changes the control thread has prepared; the new job list if one changed it (a
-        later SIGHUP reload replaces the job set with the file's and --job's)."""
-        if self.control is None:
-            return None
-        changed: list[list[JobConfig]] = []
-        self.control.apply(self.jobs, changed.append)
-        if not changed:
-            return None
-        self.jobs = changed[0]
+    def _apply_job_changes(self, install: Callable[[list[JobConfig], frozenset[int]], None]) -> None:
+        """Install what a finished reload and the waiting control commands change: ``install(jobs, fresh)``
+        puts the job list (possibly empty) into the shards, configuring the ids in ``fresh`` anew even where
+        unchanged (a control ``add``; a reload keeps unchanged jobs' registers). A command is answered only
+        once its change is installed (a later SIGHUP reload replaces the job set with the file's and
+        --job's)."""
+        reloaded = self._poll_reload()
+        if reloaded is not None:
+            install(reloaded, frozenset())
+        if self.control is not None:
+            self.control.apply(self.jobs, lambda jobs, fresh: self._install_control(install, jobs, fresh))
+
+    def _install_control(self, install: Callable[[list[JobConfig], frozenset[int]], None], jobs: list[JobConfig],
+                         fresh: frozenset[int]) -> None:
+        self.jobs = jobs
+        install(jobs, fresh)
         self.out(f"control: jobs {sorted(j.job for j in self.jobs)}")
-        return self.jobs
 
     def totals(self) -> dict[str, int]:
         """Counter totals over the shards: the state machine's, then the DAR path's as ``dar_<name>``."""
@@ -231,10 +236,7 @@ class AggregatorServer:
         try:
             while not self._stop.is_set():
                 sh.step(self.cfg.poll_timeout)
-                jobs = self._poll_reload()
-                jobs = self._poll_control() or jobs
-                if jobs is not None:
-                    sh.set_jobs(jobs)
+                self._apply_job_changes(sh.set_jobs)
                 stats.tick()
         finally:
             sh.close()
@@ -258,13 +260,21 @@ class AggregatorServer:
         if self.control is not None:
             self.control.start()
         stats = StatsLine(cfg.stats_interval, self.counters, self.dar_counters, self.out)
+
+        def install(jobs: list[JobConfig], fresh: frozenset[int]) -> None:
+            """Every shard process installs the change and says so before a command that made it is
+            answered (a shard that does not answer within 5 s is left to the liveness check below)."""
+            for c in conns:
+                c.send((jobs, fresh))
+            for c in conns:
+                if c.poll(5.0):
+                    c.recv()
+                else:
+                    log.error("a shard did not confirm the job change within 5 s")
+
         try:
             while not self._stop.wait(0.05):
-                jobs = self._poll_reload()
-                jobs = self._poll_control() or jobs
-                if jobs is not None:
-                    for c in conns:
-                        c.send(jobs)
+                self._apply_job_changes(install)
                 stats.tick()
                 if not all(p.is_alive() for p in procs):
                     log.error("a shard process exited; stopping")

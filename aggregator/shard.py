@@ -16,7 +16,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import signal
 import socket
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -218,8 +218,10 @@ class Shard:
             self.pcap = PcapWriter(path)
         self.local = sockaddr_to_tuple(sockaddr_in(*sock.getsockname()))
 
-    def set_jobs(self, jobs: Sequence[JobConfig]) -> None:
-        """Apply a job list: new or changed jobs are (re)configured, missing ones removed."""
+    def set_jobs(self, jobs: Sequence[JobConfig], fresh: Collection[int] = ()) -> None:
+        """Apply a job list: new or changed jobs are (re)configured, missing ones removed, and the jobs
+        ``fresh`` names configured anew even where unchanged (registers, rounds and worker addresses
+        cleared: a control ``add`` of a configured id)."""
         wanted = {j.job: j for j in jobs}
         for jid in list(self.agg.jobs):
             if jid not in wanted or wanted[jid].kind == "dar":
@@ -232,7 +234,7 @@ class Shard:
         for jid, cfg in wanted.items():
             table = self.dar if cfg.kind == "dar" else self.agg
             cur = table.jobs.get(jid)
-            if cur is None or cur.cfg != cfg:
+            if cur is None or cur.cfg != cfg or jid in fresh:
                 table.add_job(cfg)
                 self.book.jobs[jid] = WorkerAddresses(cfg)
 
@@ -366,6 +368,7 @@ def shard_process(cfg: ServerConfig, sock: socket.socket, shard: int, jobs: list
         while not stop.is_set():
             sh.step(cfg.poll_timeout)
             if conn.poll():
-                sh.set_jobs(conn.recv())
+                sh.set_jobs(*conn.recv())
+                conn.send(True)  # installed: the server may now answer the command that changed the jobs
     finally:
         sh.close()

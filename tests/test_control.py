@@ -115,6 +115,7 @@ class Channel:
 
     def __init__(self, cfg: ControlConfig) -> None:
         self.jobs = [JobConfig(job=7, key=SECRET_KEY, workers=2)]
+        self.installs: list[tuple[list[int], frozenset[int]]] = []  # (job ids, the ids to start fresh)
         self.ch = ControlChannel(cfg, lambda: self.jobs, totals)
         self.ch.start()
         self._stop = threading.Event()
@@ -125,8 +126,9 @@ class Channel:
         while not self._stop.wait(0.005):
             self.ch.apply(self.jobs, self._install)
 
-    def _install(self, jobs: list[JobConfig]) -> None:
+    def _install(self, jobs: list[JobConfig], fresh: frozenset[int]) -> None:
         self.jobs = jobs
+        self.installs.append((sorted(j.job for j in jobs), fresh))
 
     def close(self) -> None:
         self._stop.set()
@@ -185,6 +187,23 @@ def test_a_flood_of_refused_datagrams_is_answered_within_budget(udp_channel: Cha
     refused = udp_channel.ch.counts["control_refused"]
     assert refused >= 4000, refused
     assert replies <= 100 + 100 * (elapsed + 0.5), (replies, elapsed)
+
+
+def test_an_add_of_an_unchanged_job_starts_it_fresh(tmp_path: Path) -> None:
+    """``add`` of a configured id with the same settings still installs the job list, naming the id as one
+    to start fresh (docs/protocol.md, "A new run needs a fresh job"); a ``remove`` of the last job installs
+    the empty list; a refused command installs nothing."""
+    c = Channel(ControlConfig(ControlAddress(path=str(tmp_path / "ctl.sock"))))
+    try:
+        spec = c.jobs[0].spec()
+        assert send_command(c.ch.address, f"add {spec}") == "ok: job 7 configured"
+        assert send_command(c.ch.address, "add job=9,workers=3") == "ok: job 9 configured"
+        assert send_command(c.ch.address, "remove 9") == "ok: job 9 removed"
+        assert send_command(c.ch.address, "remove 9") == "error: no job 9"
+        assert send_command(c.ch.address, "remove 7") == "ok: job 7 removed"
+        assert c.installs == [([7], {7}), ([7, 9], {9}), ([7], set()), ([], set())]
+    finally:
+        c.close()
 
 
 def test_unix_socket_is_private_and_replaced_when_stale(tmp_path: Path) -> None:

@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import select
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from aggregator.control import ControlAddress, send_command
 from aggregator.server import AggregatorServer, ServerConfig
+from launchers.aggregator_process import local_aggregator
 from tests.transport_support import opened_runs
 from worker_lib.allreduce import THCAllreduce
 from worker_lib.job import JobConfig
@@ -248,6 +252,30 @@ def test_a_run_opened_on_another_runs_job_is_refused() -> None:
         assert all(isinstance(r, UseResults) for r in opened_runs(cfg, local, second, idx))
     with pytest.raises(ValueError, match="positive float32"):
         Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", 9))).open_run(0.1)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_an_add_over_the_control_socket_gives_the_next_run_a_fresh_job(tmp_path: Path, shards: int) -> None:
+    """docs/protocol.md, "A new run needs a fresh job": ``add`` of a configured id resets its registers, even
+    with the same settings, and its reply comes once every shard has done so. Two runs of 4 workers, each
+    opened with its own nonce, with an ``add`` of the unchanged spec between them: both exact (the second
+    was refused when an unchanged ``add`` kept the registers). Then ``remove`` of the only job: its packets
+    are unknown (an empty job list used to count as no change, and the job was still served). A
+    ``thc-aggregator`` process: its shard processes are forked from a single thread, as in use."""
+    cfg = JobConfig(workers=4, slots=8, elems=K)
+    idx = random_indices(cfg, 3, seed=5)
+    ctl = ControlAddress(path=str(tmp_path / "ctl.sock"))
+    with local_aggregator([cfg], shards=shards, extra=["--control", ctl.path]) as where:
+        for nonce in (3.0, 2.5):
+            for r in opened_runs(cfg, [where] * cfg.workers, nonce, idx, shards=shards):
+                assert isinstance(r, UseResults), r
+                assert np.array_equal(r.sums, oracle(cfg, idx, [0, 1, 2, 3]))
+            assert send_command(ctl, f"add {cfg.spec()}") == "ok: job 1 configured"
+        assert send_command(ctl, "remove 1") == "ok: job 1 removed"
+        with Transport(TransportConfig(cfg, worker=0, aggregator=where, shards=shards, deadline=0.5)) as tr:
+            with pytest.raises(AggregatorUnreachable):
+                tr.exchange_norm(1.0)
+        assert json.loads(send_command(ctl, "stats"))[Counter.UNKNOWN_JOB.label] > 0
 
 
 @pytest.mark.parametrize("policy", ["reliable", "zero-fill"])

@@ -12,15 +12,16 @@ from worker_lib.transport import Transport, TransportConfig, UseResults
 
 
 def opened_runs(cfg: JobConfig, aggregators: Sequence[tuple[str, int]], nonce: float,
-                indices: Sequence[np.ndarray]) -> list[UseResults | BaseException]:
+                indices: Sequence[np.ndarray], shards: int = 1) -> list[UseResults | BaseException]:
     """Every worker w of ``cfg`` opens a run with ``nonce`` (``Transport.open_run``) on the aggregator
-    ``aggregators[w]`` and exchanges its ``indices[w]``, all at once; returns each worker's results, or
-    the exception it raised (the tests check that every worker fails, not only the first)."""
+    ``aggregators[w]`` (of ``shards`` ports) and exchanges its ``indices[w]``, all at once; returns each
+    worker's results, or the exception it raised (the tests check that every worker fails, not only the
+    first)."""
     out: list[UseResults | BaseException] = [RuntimeError("the worker's thread did not finish")] * cfg.workers
 
     def go(w: int) -> None:
         try:
-            with Transport(TransportConfig(cfg, worker=w, aggregator=aggregators[w], deadline=10)) as tr:
+            with Transport(TransportConfig(cfg, worker=w, aggregator=aggregators[w], shards=shards, deadline=10)) as tr:
                 tr.open_run(nonce)
                 out[w] = tr.exchange_indices(indices[w])
         except BaseException as exc:  # handed to the caller

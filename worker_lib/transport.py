@@ -95,8 +95,8 @@ _CHUNK_AT = field_offsets()["chunk"]  #: the header's chunk field (32 bits, big-
 
 #: What to do about an ``AggregatorStateError`` (also matched in the message of DDP's wrapped exceptions).
 STALE_JOB_ADVICE = ("the aggregator holds the state of another run of this job; start each run with a fresh "
-                    "job: restart thc-aggregator, remove and add the job (thc-aggregator control), or use "
-                    "another job id")
+                    "job: restart thc-aggregator, add the job again over its control socket (thc-control SOCKET add "
+                    "SPEC), or use another job id")
 
 
 @dataclass
