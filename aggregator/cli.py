@@ -11,7 +11,7 @@ from aggregator.control import ControlAddress, ControlConfig, read_token
 from aggregator.server import AggregatorServer, ServerConfig
 from aggregator.tier_server import TierServer, TierServerConfig
 from worker_lib.cli.args import float_in, host_port, int_in, log_level, port_number
-from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, load_jobs, parse_job_spec
+from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, load_jobs, parse_job_spec, unique_jobs
 from worker_lib.wire.layout import THC_UDP_PORT
 
 
@@ -111,7 +111,8 @@ def serve_tier(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         print(f"thc-aggregator: --role {args.role} does not take {', '.join(given)}", file=sys.stderr)
         return 2
     try:
-        jobs = [parse_job_spec(s) for s in args.job] + (load_jobs(args.config) if args.config else [])
+        jobs = unique_jobs([parse_job_spec(s) for s in args.job], "--job")
+        jobs += load_jobs(args.config) if args.config else []
         server = TierServer(TierServerConfig(args.role, jobs, host=args.host, port=args.port, leaf=args.leaf,
                                              upstream=args.upstream, batch=args.batch,
                                              stats_interval=args.stats_interval, parent_loss=args.parent_loss,
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         print("thc-aggregator: --leaf, --upstream and --parent-loss are for --role leaf", file=sys.stderr)
         return 2
     try:
-        jobs = [parse_job_spec(s) for s in args.job]
+        jobs = unique_jobs([parse_job_spec(s) for s in args.job], "--job")
         control = None
         if args.control is not None:
             token = read_token(args.control_token_file) if args.control_token_file else None

@@ -144,11 +144,16 @@ def prepare_command(text: str) -> Prepared:
     verb, _, arg = text.strip().partition(" ")
     try:
         if verb == "add":
+            if "job" not in (part.partition("=")[0].strip() for part in arg.split(",")):
+                return Prepared(verb, reply="error: add needs the job's id in its spec: add job=ID,key=...,workers=N")
             cfg = parse_job_spec(arg)
             cfg.check_one_tier()
             return Prepared(verb, cfg)
         if verb == "remove":
-            return Prepared(verb, int(arg, 0))
+            try:
+                return Prepared(verb, int(arg.strip(), 0))
+            except ValueError:
+                return Prepared(verb, reply=f"error: remove takes one job id (remove ID), got {arg.strip()!r}")
         if verb in ("list", "stats"):
             return Prepared(verb)
         return Prepared(verb, reply=USAGE)

@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
           f"({res['backend']}, {res['threads']} threads), median of {res['repeats']}")
     print(f"  encode {res['encode_ms']:8.2f} ms  {res['encode_coords_per_s'] / 1e6:8.1f} M coords/s")
     print(f"  decode {res['decode_ms']:8.2f} ms  {res['decode_coords_per_s'] / 1e6:8.1f} M coords/s")
-    print(f"  break-even link rate {res['break_even_gbit_s']:.2f} Gbit/s (target > 3, stretch 5)")
+    print(f"  break-even link rate {res['break_even_gbit_s']:.2f} Gbit/s (targets: >= 5 on a quiet machine, "
+          ">= 2 beside a busy process: --contention)")
     if "torch_backend_break_even_gbit_s" in res:
         print(f"  same with the pure-torch transform: {res['torch_backend_break_even_gbit_s']:.2f} Gbit/s")
 

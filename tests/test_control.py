@@ -53,9 +53,13 @@ def test_list_and_stats_answer_without_changing_anything() -> None:
 
 
 def test_bad_commands_get_one_line_and_change_nothing() -> None:
-    for text, want in (("remove 9", "error: no job 9"), ("remove x", "error: invalid literal"),
-                       ("add workers=99", "error: job 1: workers must be in 1..32"), ("frobnicate", USAGE),
-                       ("", USAGE)):
+    for text, want in (("remove 9", "error: no job 9"),
+                       ("remove x", "error: remove takes one job id (remove ID), got 'x'"),
+                       ("remove", "error: remove takes one job id"), ("remove 1 3", "error: remove takes one job id"),
+                       ("add job=1,workers=99", "error: job 1: workers must be in 1..32"),
+                       ("add", "error: add needs the job's id in its spec"),
+                       ("add workers=8", "error: add needs the job's id in its spec"),  # would replace job 1
+                       ("frobnicate", USAGE), ("", USAGE)):
         reply, new = apply_command(text, JOBS, totals)
         assert new is None and reply.startswith(want) and "\n" not in reply, (text, reply)
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from scipy.stats import norm
 
+from tests.cli_support import assert_one_line_refusal, call_main
 from worker_lib.cli import bench_cli
 from worker_lib.thc.nmse import NMSESetting, mean_nmse, nmse_trials
 from worker_lib.thc.table import solve_table
@@ -48,3 +49,19 @@ def test_nmse_matches_the_table_objective_prediction(bits, g, workers):
     measured = mean_nmse(NMSESetting(bits=bits, granularity=g, p=1 / 32, workers=workers, dim=1 << 16,
                                      trials=2, seed=3))
     assert abs(measured - predicted) < 0.06 * predicted
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["nmse", "--dim", "99999999999999"], "argument --dim: must be in 1..67108864"),
+    (["nmse", "--seed", "-1"], "argument --seed: must be in 0..4294967295, got -1"),
+    (["nmse", "--workers", "0"], "argument --workers: must be in 1..1024, got 0"),
+    (["nmse", "--workers", "1024", "--dim", "1048576"], "--workers 1024 x --dim 1048576 = 1,073,741,824 coordinates"),
+    (["codecs", "--dim", "99999999999999"], "argument --dim: must be in 1..67108864"),
+    (["codecs", "--seed", "-1"], "argument --seed: must be in 0..4294967295, got -1"),
+    (["codecs", "--workers", "2,2000"], "argument --workers: need integers in 1..1024"),
+    (["codecs", "--workers", "1000", "--dim", "1048576"], "--workers 1000 x --dim 1048576"),
+])
+def test_sizes_that_cannot_run_get_one_line(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A vector or worker count the machine cannot hold is refused before any allocation (an allocation
+    failure's traceback before), and a negative seed names its option (numpy's message did not)."""
+    assert_one_line_refusal(*call_main(bench_cli.main, argv, capsys), says)

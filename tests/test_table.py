@@ -135,6 +135,10 @@ def test_cli_json_and_errors(capsys):
     assert table_cli.main(["--bits", "4", "--granularity", "3", "--p", "0.1"]) == 2
     err = capsys.readouterr().err
     assert "granularity must be" in err and "Traceback" not in err
+    # b = 4 and p = 1/32 by default (the jobs' and the paper's), so the auto form needs only g and n
+    assert table_cli.main(["--granularity", "auto", "--workers", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["bits"], data["granularity"], data["table"]) == (4, 17, [0, 2, *range(3, 16), 17])
 
 
 def test_cli_entry_point_runs():

@@ -428,6 +428,8 @@ def _parse_fraction(text: str, where: str) -> float:
 def parse_job_spec(spec: str) -> JobConfig:
     """``job=2,key=0x1234,workers=4,threshold=3,bits=4,granularity=30,p=1/32`` -> JobConfig."""
     raw: dict[str, Any] = {}
+    if not spec.strip():
+        raise JobConfigError("empty job spec: give key=value pairs, e.g. job=2,key=0x1234,workers=4")
     for part in filter(None, (s.strip() for s in spec.split(","))):
         if "=" not in part:
             raise JobConfigError(f"job spec {spec!r}: expected key=value, got {part!r}")
@@ -443,6 +445,10 @@ def load_jobs(path: str | Path) -> list[JobConfig]:
         doc = tomllib.loads(p.read_text())
     except FileNotFoundError:
         raise JobConfigError(f"job config file {p} does not exist") from None
+    except UnicodeDecodeError:
+        raise JobConfigError(f"{p}: not a UTF-8 text file (a TOML job file is expected)") from None
+    except OSError as exc:
+        raise JobConfigError(f"job config file {p}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise JobConfigError(f"{p}: not valid TOML: {exc}") from None
     extra = set(doc) - {"job"}
@@ -451,8 +457,17 @@ def load_jobs(path: str | Path) -> list[JobConfig]:
     tables = doc.get("job", [])
     if not isinstance(tables, list):
         raise JobConfigError(f"{p}: 'job' must be an array of tables ([[job]])")
-    jobs = [job_from_mapping(t, f"{p} job #{i}") for i, t in enumerate(tables)]
+    try:
+        jobs = [job_from_mapping(t, f"{p} job #{i}") for i, t in enumerate(tables)]
+    except JobConfigError as exc:  # a setting out of range names its job, not always the file
+        raise JobConfigError(str(exc) if str(exc).startswith(str(p)) else f"{p}: {exc}") from None
+    return unique_jobs(jobs, str(p))
+
+
+def unique_jobs(jobs: list[JobConfig], where: str) -> list[JobConfig]:
+    """``jobs``, refused (JobConfigError naming ``where``) if two of them share an id: one would silently
+    replace the other."""
     ids = [j.job for j in jobs]
     if len(set(ids)) != len(ids):
-        raise JobConfigError(f"{p}: duplicate job ids {sorted({i for i in ids if ids.count(i) > 1})}")
+        raise JobConfigError(f"{where}: duplicate job ids {sorted({i for i in ids if ids.count(i) > 1})}")
     return jobs

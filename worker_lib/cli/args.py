@@ -15,6 +15,22 @@ T = TypeVar("T")
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 
 
+#: The longest vector the benchmark commands (``thc-bench``) take, and the most worker-coordinates of one
+#: run: every simulated worker holds its own codec buffers, about 10 bytes per coordinate, so 2^28 of them
+#: is some 2.5 GiB; beyond, a run ends in an allocation failure rather than a result.
+MAX_BENCH_DIM = 1 << 26
+MAX_BENCH_COORDINATES = 1 << 28
+#: Seeds go to numpy and torch generators, which take unsigned 32-bit (and wider) values.
+MAX_SEED = (1 << 32) - 1
+
+
+def check_bench_size(workers: int, dim: int) -> None:
+    """Refuse (ValueError, one line) a run whose workers' buffers would not fit a workstation's memory."""
+    if workers * dim > MAX_BENCH_COORDINATES:
+        raise ValueError(f"--workers {workers} x --dim {dim} = {workers * dim:,} coordinates, more than "
+                         f"{MAX_BENCH_COORDINATES:,} (about 2.5 GiB of buffers): reduce one of them")
+
+
 def fraction(text: str) -> float:
     """Parse a probability written as a decimal (0.03125) or a fraction (1/32)."""
     try:

@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from worker_lib.cli.args import fraction
+from worker_lib.cli.args import MAX_BENCH_DIM, MAX_SEED, check_bench_size, fraction, int_in
 from worker_lib.codecs.cli import add_codecs_parser
 from worker_lib.thc.nmse import NMSESetting, nmse_trials
 
@@ -20,15 +20,17 @@ def _add_nmse(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bits", type=int, default=4, help="index width b (1..8), default 4")
     p.add_argument("--granularity", type=int, default=38, help="granularity g >= 2^b - 1, default 38")
     p.add_argument("--p", type=fraction, default=1 / 32, help="truncation fraction p, e.g. 1/32 (default)")
-    p.add_argument("--workers", type=int, default=4, help="number of workers n, default 4")
-    p.add_argument("--dim", type=int, default=1 << 20, help="gradient length d, default 2^20")
-    p.add_argument("--trials", type=int, default=10, help="independent trials to average, default 10")
-    p.add_argument("--seed", type=int, default=0, help="seed of data and quantization, default 0")
+    p.add_argument("--workers", type=int_in(1, 1024), default=4, help="number of workers n, 1..1024, default 4")
+    p.add_argument("--dim", type=int_in(1, MAX_BENCH_DIM), default=1 << 20,
+                   help=f"gradient length d, 1..{MAX_BENCH_DIM} (2^26), default 2^20")
+    p.add_argument("--trials", type=int_in(1, 100_000), default=10, help="independent trials to average, default 10")
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help="seed of data and quantization, default 0")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=_run_nmse)
 
 
 def _run_nmse(args: argparse.Namespace) -> int:
+    check_bench_size(args.workers, args.dim)
     setting = NMSESetting(bits=args.bits, granularity=args.granularity, p=args.p, workers=args.workers,
                           dim=args.dim, trials=args.trials, seed=args.seed)
     values = nmse_trials(setting)

@@ -22,14 +22,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "stochastic rounding of a standard normal truncated to [-t_p, t_p], t_p = "
                     "Phi^-1(1 - p/2). With --granularity auto, g (and with --bits auto, b) is chosen so that "
                     "the sums of --workers workers fit --result-bits bits.")
-    parser.add_argument("--bits", type=int_or_auto(1, 8), required=True,
-                        help="bits per index b, 1..8, or auto (with --granularity auto: the largest up to 4 "
-                             "that the sums allow)")
+    parser.add_argument("--bits", type=int_or_auto(1, 8), default=4,
+                        help="bits per index b, 1..8 (default 4), or auto (with --granularity auto: the largest "
+                             "up to 4 that the sums allow)")
     parser.add_argument("--granularity", type=int_or_auto(1, 1 << 16), required=True,
                         help="granularity g >= 2^b - 1, or auto (needs --workers): the g the sums allow whose "
                              "table rounds best")
-    parser.add_argument("--p", type=fraction, required=True,
-                        help="truncation fraction p in (0, 1), e.g. 0.03125 or 1/32")
+    parser.add_argument("--p", type=fraction, default=1 / 32,
+                        help="truncation fraction p in (0, 1), e.g. 0.03125 or 1/32 (the default)")
     parser.add_argument("--workers", type=int_in(1, 1 << 16), help="workers whose sums must fit (for auto)")
     parser.add_argument("--result-bits", type=int, choices=(8, 16, 32),
                         help="width of the sums (for auto; default 8, the switch programs')")
