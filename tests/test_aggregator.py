@@ -315,7 +315,7 @@ def test_control_commands_add_list_remove() -> None:
         assert json.loads(ask("stats"))["completed"] == 1
         assert ask("remove 12") == "ok: job 12 removed"
         assert ask("remove 12").startswith("error: no job 12")
-        assert ask("add workers=99").startswith("error: job 1: workers must be in 1..32")
+        assert ask("add job=1,workers=99").startswith("error: job 1: workers must be in 1..32")
         assert ask("frobnicate").startswith("error: unknown command")
         with pytest.raises(AggregatorUnreachable):
             norm_roundtrip(port, cfg, deadline=0.3)
