@@ -263,14 +263,17 @@ class AggregatorServer:
 
         def install(jobs: list[JobConfig], fresh: frozenset[int]) -> None:
             """Every shard process installs the change and says so before a command that made it is
-            answered (a shard that does not answer within 5 s is left to the liveness check below)."""
-            for c in conns:
-                c.send((jobs, fresh))
-            for c in conns:
-                if c.poll(5.0):
+            answered (a shard that is gone or silent for 5 s is left to the liveness check below)."""
+            try:
+                for c in conns:
+                    c.send((jobs, fresh))
+                for c in conns:
+                    if not c.poll(5.0):
+                        log.error("a shard did not confirm the job change within 5 s")
+                        continue
                     c.recv()
-                else:
-                    log.error("a shard did not confirm the job change within 5 s")
+            except (EOFError, OSError) as exc:  # a shard process exited: its pipe is closed
+                log.error("a shard could not take the job change: %s", exc)
 
         try:
             while not self._stop.wait(0.05):
