@@ -32,6 +32,10 @@ from worker_lib.wire.protocol import Counter, DarCounter
 
 log = logging.getLogger(__name__)
 
+#: How a serving loop puts a job list (possibly empty) into its shards: (jobs, the ids to configure anew
+#: even where their settings did not change).
+Install = Callable[[list[JobConfig], frozenset[int]], None]
+
 
 @dataclass
 class ServerConfig:
@@ -190,23 +194,23 @@ class AggregatorServer:
         self.out(f"reloaded: jobs {sorted(j.job for j in self.jobs)}")
         return self.jobs
 
-    def _apply_job_changes(self, install: Callable[[list[JobConfig], frozenset[int]], None]) -> None:
-        """Install what a finished reload and the waiting control commands change: ``install(jobs, fresh)``
-        puts the job list (possibly empty) into the shards, configuring the ids in ``fresh`` anew even where
-        unchanged (a control ``add``; a reload keeps unchanged jobs' registers). A command is answered only
-        once its change is installed (a later SIGHUP reload replaces the job set with the file's and
-        --job's)."""
+    def _apply_job_changes(self, install: Install) -> None:
+        """Install what a finished reload and the waiting control commands change, through the serving
+        loop's ``install``. A reload keeps unchanged jobs' registers; a control ``add`` configures its job
+        anew even where unchanged, and a command is answered only once its change is installed (a later
+        SIGHUP reload replaces the job set with the file's and --job's)."""
         reloaded = self._poll_reload()
         if reloaded is not None:
             install(reloaded, frozenset())
-        if self.control is not None:
-            self.control.apply(self.jobs, lambda jobs, fresh: self._install_control(install, jobs, fresh))
+        if self.control is None:
+            return
 
-    def _install_control(self, install: Callable[[list[JobConfig], frozenset[int]], None], jobs: list[JobConfig],
-                         fresh: frozenset[int]) -> None:
-        self.jobs = jobs
-        install(jobs, fresh)
-        self.out(f"control: jobs {sorted(j.job for j in self.jobs)}")
+        def from_control(jobs: list[JobConfig], fresh: frozenset[int]) -> None:
+            self.jobs = jobs
+            install(jobs, fresh)
+            self.out(f"control: jobs {sorted(j.job for j in self.jobs)}")
+
+        self.control.apply(self.jobs, from_control)
 
     def totals(self) -> dict[str, int]:
         """Counter totals over the shards: the state machine's, then the DAR path's as ``dar_<name>``."""
