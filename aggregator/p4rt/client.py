@@ -115,9 +115,12 @@ class SwitchAddress:
             return cls(device_id=device_id, election_id=election_id, unix_socket=text[len("unix:"):])
         host, _, port = text.rpartition(":")
         try:
-            return cls(host or "127.0.0.1", int(port), device_id, election_id)
+            num = int(port)
         except ValueError:
-            raise SwitchError(f"switch address must be host:port, got {text!r}") from None
+            num = -1
+        if not 1 <= num <= 65535:
+            raise SwitchError(f"switch address must be host:port with a port in 1..65535, got {text!r}")
+        return cls(host or "127.0.0.1", num, device_id, election_id)
 
 
 class P4RuntimeClient:
