@@ -23,7 +23,9 @@ With ``--loss 0,1`` it compares lossless and 1 % lossy links, by separate runs, 
 SECONDS`` within each run (``benchmarks.loss_phases``: the loss switches every SECONDS; the figure that
 settles whether a lossy step costs more than its resent bytes' wire time on a machine whose load drifts).
 
-Needs root (exits with the reason otherwise). All namespaces are removed at the end, also on errors.
+Needs root (exits with the reason otherwise). All namespaces, the processes in them and the temporary
+files are removed at the end, also on errors, Ctrl-C, SIGTERM and SIGHUP (then the exit status is 128 +
+the signal's number, as if it had killed the process).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.loss_phases import LossPhases, compare_phases
-from topologies.netem import NetemConfig, NetemError, Topology, require_root
+from topologies.netem import ExitOnSignals, NetemConfig, NetemError, Topology, require_root
 from topologies.netem.ddp import run_training, start_aggregator
 from worker_lib.cli.args import comma_list, float_in, int_in
 from worker_lib.job import IP_UDP_OVERHEAD, JobConfig, JobConfigError
@@ -415,13 +417,15 @@ def check_common(ap: argparse.ArgumentParser, args: argparse.Namespace, jobs: Ca
 
 def run_as_root(prog: str, run: Callable[[], list[dict]]) -> list[dict] | int:
     """``run()``'s rows; or, with one line on stderr, 2 where namespaces cannot be made (not root) and
-    1 when the run failed (a topology or training error)."""
+    1 when the run failed (a topology or training error). SIGTERM and SIGHUP end ``run()`` as an error
+    would, through its cleanup (``topologies.netem.Terminated``: the process exits with 128 + the signal)."""
     why = require_root()
     if why:
         print(f"{prog}: skipped: {why}", file=sys.stderr)
         return 2
     try:
-        return run()
+        with ExitOnSignals():  # also between two topologies (the temporary folder); each Topology has its own
+            return run()
     except (NetemError, RuntimeError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1

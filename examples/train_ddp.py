@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from launchers.aggregator_process import local_aggregator, local_tiers
 from sim.data import DATASETS, Dataset, load_dataset, shard_indices
 from sim.models import make_model as make_classifier
-from worker_lib.cli.args import FLOAT_DTYPES, comma_list, host_port, int_in
+from worker_lib.cli.args import FLOAT_DTYPES, comma_list, float_in, fraction, host_port, int_in
 from worker_lib.ddp import AggregatorUnreachable, DDPHookConfig, THCHookState, register_thc_hook
 from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig, JobConfigError, job_from_mapping
 from worker_lib.transport import STALE_JOB_ADVICE
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Without --aggregator, rank 0 starts thc-aggregator (loopback on a single node, otherwise "
                "on its address towards --master-addr) and publishes HOST:PORT and the job through the "
                "torch.distributed store.")
-    p.add_argument("--steps", type=int, default=50, help="training steps")
+    p.add_argument("--steps", type=int_in(1, 10**9), default=50, help="training steps, at least 1")
     p.add_argument("--compression", choices=("none", "thc", "uncompressed"), default="thc")
     p.add_argument("--aggregator", metavar="HOST:PORT", type=comma_list(host_port, "10.0.0.9:9451,10.0.0.10:9451"),
                    help="a running thc-aggregator (or switch) to use; several, comma-separated, in member order "
@@ -76,51 +76,81 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aggregator-host", help="address rank 0's aggregator binds to (default: see epilog)")
     p.add_argument("--bind-host", help="this worker's local address for the aggregator traffic "
                                        "(default: the address that routes to the aggregator)")
-    p.add_argument("--job-id", type=int, default=DEFAULT_JOB_ID, help="aggregator job id")
-    p.add_argument("--key", type=lambda s: int(s, 0), default=DEFAULT_KEY, help="the job's 32-bit key")
-    p.add_argument("--bits", type=int, default=4, help="THC bits per coordinate b")
-    p.add_argument("--granularity", type=int, default=30, help="THC granularity g")
-    p.add_argument("--p", type=float, default=1 / 32, help="THC table parameter p")
-    p.add_argument("--slots", type=int, default=128, help="aggregator slots S of the job")
-    p.add_argument("--elems", type=int, help="indices per packet K (default: the aggregator's, MTU-bound)")
-    p.add_argument("--mtu", type=int, default=1500, help="path MTU the job's packets must fit (9000: jumbo frames)")
-    p.add_argument("--shards", type=int, default=1, help="aggregator shards (ports PORT..PORT+P-1)")
+    p.add_argument("--job-id", type=int_in(0, 65535), default=DEFAULT_JOB_ID, help="aggregator job id, 0..65535")
+    p.add_argument("--key", type=int_in(0, (1 << 32) - 1), default=DEFAULT_KEY,
+                   help="the job's 32-bit key (decimal or 0x hex)")
+    p.add_argument("--bits", type=int_in(1, 8), default=4, help="THC bits per coordinate b, 1..8")
+    p.add_argument("--granularity", type=int_in(1, 1 << 16), default=30,
+                   help="THC granularity g, at least 2^b - 1")
+    p.add_argument("--p", type=fraction, default=1 / 32,
+                   help="THC table parameter p, a decimal or a fraction like 1/32")
+    p.add_argument("--slots", type=int_in(1, 65536), default=128, help="aggregator slots S of the job, 1..65536")
+    p.add_argument("--elems", type=int_in(8, 65528),
+                   help="indices per packet K, a multiple of 8 (default: the aggregator's, MTU-bound)")
+    p.add_argument("--mtu", type=int_in(68, 65535), default=1500,
+                   help="path MTU the job's packets must fit, 68..65535 (9000: jumbo frames)")
+    p.add_argument("--shards", type=int_in(1, 64), default=1, help="aggregator shards (ports PORT..PORT+P-1), 1..64")
     p.add_argument("--gro", action="store_true",
                    help="read runs of answers that arrive whole as one message (UDP_GRO; off by default)")
     p.add_argument("--multicast", metavar="GROUP:PORT", help="results by IP multicast to this group")
     p.add_argument("--loss-policy", choices=("reliable", "zero-fill"), default="reliable")
-    p.add_argument("--timeout", type=float, default=0.05,
-                   help="retransmit timeout, s, until the round trip is measured "
+    p.add_argument("--timeout", type=float_in(1e-4, 60), default=0.05,
+                   help="retransmit timeout, s, 0.0001..60, until the round trip is measured "
                         "(then 3 round trips, at least min(2 ms, this)); zero-fill: always this")
-    p.add_argument("--deadline", type=float, default=10.0,
-                   help="seconds without any answer from the aggregator before failing")
+    p.add_argument("--deadline", type=float_in(0.01, 86400), default=10.0,
+                   help="seconds without any answer from the aggregator before failing, 0.01..86400")
     p.add_argument("--no-error-feedback", action="store_true", help="disable THC's error feedback")
     p.add_argument("--no-overlap", action="store_true", help="exchange inside the hook, not on a thread")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
+    p.add_argument("--bucket-cap-mb", type=float_in(0.001, 1 << 16), default=25.0, help="DDP bucket size, MB")
     p.add_argument("--task", choices=("regression", *DATASETS), default="regression",
                    help="regression: synthetic MLP regression; mnist / digits: classification of a bundled "
                         "data set (a CNN for mnist, an MLP for digits), rank r training on shard r")
     p.add_argument("--eval-every", type=int_in(0, 10**9), default=0,
                    help="mnist/digits: rank 0 measures the test accuracy every N steps (0: after the last)")
-    p.add_argument("--width", type=int, default=64,
-                   help="hidden layer width of the MLP (mnist: of the CNN's fully connected layer)")
-    p.add_argument("--layers", type=int, default=2, help="hidden layers of the MLP")
-    p.add_argument("--in-features", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=32, help="samples per rank and step")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
-    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--width", type=int_in(1, 1 << 16), default=64,
+                   help="hidden layer width of the MLP (mnist: of the CNN's fully connected layer), 1..65536")
+    p.add_argument("--layers", type=int_in(0, 64), default=2,
+                   help="hidden layers of the MLP, 0..64 (0: a linear model)")
+    p.add_argument("--in-features", type=int_in(1, 1 << 16), default=32, help="regression inputs, 1..65536")
+    p.add_argument("--batch-size", type=int_in(1, 1 << 20), default=32, help="samples per rank and step, at least 1")
+    p.add_argument("--lr", type=float_in(1e-9, 100), default=0.05, help="SGD learning rate, 1e-9..100")
+    p.add_argument("--momentum", type=float_in(0, 0.999), default=0.9, help="SGD momentum, 0..0.999")
     p.add_argument("--dtype", choices=FLOAT_DTYPES, default="float32", help="parameter and gradient dtype")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one GPU per local rank, or ranks sharing the GPUs round-robin where there are fewer")
     p.add_argument("--backend", help="process group backend (default: nccl with a GPU per local rank, else gloo)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=1, help="steps excluded from the step-time figures")
+    p.add_argument("--seed", type=int_in(0, (1 << 32) - 1), default=0,
+                   help="seed of the model, the data and the quantization")
+    p.add_argument("--warmup", type=int_in(0, 10**9 - 1),
+                   help="steps excluded from the step-time figures, fewer than --steps (default: 1, or 0 with "
+                        "--steps 1)")
     p.add_argument("--check-every-step", action="store_true",
                    help="compare a digest of the parameters of all ranks after every step")
-    p.add_argument("--log-every", type=int, default=0, help="rank 0 prints 'step N loss L' every N steps")
-    p.add_argument("--json-out", type=Path, help="rank 0 writes the run's summary here")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--log-every", type=int_in(0, 10**9), default=0,
+                   help="rank 0 prints 'step N loss L' every N steps (0: never)")
+    p.add_argument("--json-out", type=Path, help="rank 0 writes the run's summary here (in a folder that exists)")
+    p.add_argument("--threads", type=int_in(1, 1024), default=1, help="torch intra-op threads per rank, at least 1")
     return p
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, rank: int = 0) -> argparse.Namespace:
+    """Refuse (``parser.error``: one line, exit 2) what each option's own type cannot see, before any
+    rank starts: a --warmup that leaves no step to time (its default: 1, or 0 with --steps 1), and on
+    rank 0, which writes it only after the training, a --json-out whose folder does not exist or cannot
+    be written. Returns ``args`` with --warmup resolved."""
+    if args.warmup is None:
+        args.warmup = min(1, args.steps - 1)
+    elif args.warmup >= args.steps:
+        parser.error(f"--warmup ({args.warmup}) must be less than --steps ({args.steps}): no step would be timed")
+    if args.json_out is not None and rank == 0:
+        folder = args.json_out.parent
+        if args.json_out.is_dir():
+            parser.error(f"--json-out {args.json_out} is a folder; give a file in it")
+        if not folder.is_dir():
+            parser.error(f"--json-out {args.json_out}: the folder {folder} does not exist")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            parser.error(f"--json-out {args.json_out}: the folder {folder} is not writable")
+    return args
 
 
 def make_model(args: argparse.Namespace, data: Dataset | None = None) -> nn.Module:
@@ -372,7 +402,8 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_world: int, devi
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = check_args(parser, parser.parse_args(argv), rank=int(os.environ.get("RANK", "0")))
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"),
                         format="%(asctime)s rank" + os.environ.get("RANK", "?") + " %(name)s %(message)s")
     if "RANK" not in os.environ:

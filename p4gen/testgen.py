@@ -25,6 +25,7 @@ import argparse
 import gzip
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -55,11 +56,15 @@ def rendered_program() -> str:
 
 def find_p4testgen(given: str | None, *, prog: str = "p4gen.testgen", stage: str = "--with-testgen") -> str:
     """The p4testgen executable: ``given``, else on PATH; SystemExit with one line if there is none, naming
-    the toolchain script's ``stage`` that builds it."""
+    the toolchain script's ``stage`` that builds it, or if ``given`` is not an executable file (a folder or
+    a data file would otherwise fail only when run, in a traceback)."""
     exe = given or shutil.which("p4testgen")
     if not exe or not Path(exe).exists():
         raise SystemExit(f"{prog}: p4testgen not found: build it with scripts/build-p4-toolchain.sh "
                          f"{stage}, or pass --p4testgen PATH")
+    if not Path(exe).is_file() or not os.access(exe, os.X_OK):
+        raise SystemExit(f"{prog}: p4testgen {exe} is not an executable file: pass the p4testgen binary with "
+                         f"--p4testgen PATH (scripts/build-p4-toolchain.sh {stage} builds it)")
     return exe
 
 
@@ -80,7 +85,10 @@ def run_p4testgen(cmd: list[str], cwd: Path, *, prog: str) -> P4TestgenRun:
     """Run P4Testgen (``cmd``, with --print-coverage) in ``cwd``; SystemExit with one line, named ``prog``,
     if it fails or prints no coverage."""
     t0 = time.monotonic()
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, check=False)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, check=False)
+    except OSError as exc:  # executable, but not a program this system runs (a script without #!, another arch)
+        raise SystemExit(f"{prog}: cannot run {cmd[0]}: {exc.strerror or exc}") from None
     wall = time.monotonic() - t0
     if done.returncode != 0:
         raise SystemExit(f"{prog}: p4testgen failed: {(done.stderr or done.stdout).strip()[-500:]}")

@@ -9,7 +9,7 @@ register is accessed by at most one RegisterAction per pass on Tofino). Those co
 else, are P4 in the hand-written template p4src/tofino/thc.p4.in; only the lines at its ``@...@``
 markers come from here (with the validation TCAM rows, each commented).
 
-The checked-in p4src/tofino/thc.p4 is rendered with the defaults of ``TofinoGeometry`` (Tofino 1, K = 48
+The checked-in p4src/tofino/thc.p4 is rendered with the defaults of ``TofinoGeometry`` (Tofino 1, K = 64
 indices of 4 bits, 8-bit sums, 4096 slots, 8 jobs, recirculation port 68); tests/test_p4_tofino.py
 checks that it is what this script writes now. p4src/tofino/README.md explains the limits of K::
 

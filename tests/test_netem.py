@@ -7,13 +7,17 @@ otherwise. Traffic stays inside the namespaces the tests create; they are remove
 from __future__ import annotations
 
 import json
+import os
+import select
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from topologies.netem import NetemConfig, NetemError, Topology, require_root
+from topologies.netem import NetemConfig, NetemError, Topology, remove_prefix, require_root
 from topologies.netem.ddp import ROOT
 
 ROOT_REASON = require_root()
@@ -177,6 +181,78 @@ def test_everything_is_removed() -> None:
         assert _namespaces() & made == {"thctc-w1"}
     finally:
         subprocess.run(["ip", "netns", "del", "thctc-w1"], check=True)
+
+
+#: A program holding the cheapest topology (one worker, no aggregator, unshaped: two namespaces) with a
+#: process inside it; it prints that process's pid, then waits to be signalled.
+_HOLD = """
+import sys, time
+from topologies.netem import NetemConfig, Topology
+with Topology(NetemConfig(workers=1, rate_mbit=None, aggregator=False, prefix=sys.argv[1])) as net:
+    inside = net.popen("w0", ["sleep", "120"])
+    print(inside.pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _ip_netns_problem() -> str | None:
+    """Why ``ip netns`` cannot list namespaces here (None if it can)."""
+    r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return None if r.returncode == 0 else f"ip netns list failed: {r.stderr.strip()}"
+
+
+@needs_root
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_signal_removes_the_topology(signum: signal.Signals, tmp_path: Path) -> None:
+    """SIGTERM or SIGHUP to a program inside ``with Topology(...)``: the namespaces and the processes in them
+    are removed before it exits, promptly, with status 128 + the signal and one line saying why (before,
+    the signal's default action ended it at once and left them all behind)."""
+    if (why := _ip_netns_problem()) is not None:
+        pytest.skip(f"emulated network: {why}")
+    prefix = f"thc{signum.name[3]}{os.getpid() % 100000}".lower()  # thct<pid> / thch<pid>: this run's alone
+    names = {f"{prefix}-br", f"{prefix}-w0"}
+    inside = None
+    with (tmp_path / "stderr").open("w+") as err:  # a file: the process inside, if it survives, holds it open
+        child = subprocess.Popen([sys.executable, "-c", _HOLD, prefix], stdout=subprocess.PIPE, stderr=err,
+                                 text=True, cwd=ROOT)
+
+        def said() -> str:
+            err.seek(0)
+            return err.read()
+
+        try:
+            ready, _, _ = select.select([child.stdout], [], [], 15)
+            line = child.stdout.readline() if ready else ""
+            assert line.strip().isdigit(), f"the topology did not come up: {line!r} {said()}"
+            inside = int(line)
+            assert names <= _namespaces() and _alive(inside)
+            t0 = time.monotonic()
+            child.send_signal(signum)
+            child.wait(timeout=15)
+            took = time.monotonic() - t0
+            text = said()
+            assert child.returncode == 128 + signum, (child.returncode, text)
+            assert "Traceback" not in text and text.strip().splitlines() == [
+                f"topologies.netem: {signum.name}: stopping; removing the emulated network {prefix}-*"], text
+            assert not names & _namespaces()
+            assert not _alive(inside)
+            assert took < 10, took
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(timeout=10)
+            if inside is not None and _alive(inside):
+                os.kill(inside, signal.SIGKILL)
+            remove_prefix(prefix)
 
 
 @needs_root

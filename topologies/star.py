@@ -27,9 +27,9 @@ from pathlib import Path
 from aggregator.p4rt import SwitchError, ThcSwitch
 from topologies.bmv2 import Bmv2Config, Bmv2Switch, CompiledProgram, ToolMissing, compile_program, find_tool
 from topologies.nsstar import SERVICE_IP, SWITCH_MAC, NsStar, host_ip, host_mac
+from topologies.worker import MAX_CHUNKS, MAX_SEED, collect
 from topologies.worker import check_results as check_sums
-from topologies.worker import collect
-from worker_lib.cli.args import log_level
+from worker_lib.cli.args import int_in, log_level
 from worker_lib.job import JobConfig, JobConfigError
 from worker_lib.wire.layout import THC_UDP_PORT
 
@@ -143,13 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m topologies.star", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--workers", type=int, default=d.workers, help=f"worker hosts (default {d.workers})")
-    ap.add_argument("--chunks", type=int, default=d.chunks, help=f"chunks per worker (default {d.chunks})")
+    ap.add_argument("--chunks", type=int_in(1, MAX_CHUNKS), default=d.chunks,
+                    help=f"chunks per worker, 1..{MAX_CHUNKS} (default {d.chunks})")
     ap.add_argument("--elems", type=int, default=d.elems, help=f"K, indices per packet (default {d.elems})")
     ap.add_argument("--bits", type=int, default=d.bits, help=f"b, bits per index (default {d.bits})")
     ap.add_argument("--granularity", type=int, default=d.granularity, help=f"g (default {d.granularity})")
     ap.add_argument("--result-bits", type=int, default=d.result_bits, choices=(8, 16), help="sum width")
     ap.add_argument("--slots", type=int, default=d.slots, help=f"slots of the job (default {d.slots})")
-    ap.add_argument("--seed", type=int, default=d.seed, help="seed of the workers' indices")
+    ap.add_argument("--seed", type=int_in(0, MAX_SEED), default=d.seed,
+                    help=f"seed of the workers' indices, 0..{MAX_SEED} (default {d.seed})")
     ap.add_argument("--workdir", type=Path, default=d.workdir, help=f"logs, pcaps, results (default {d.workdir})")
     ap.add_argument("--program-dir", type=Path, help="use thc.json/thc.p4info.txtpb from here (no compile)")
     ap.add_argument("--netns", action="store_true", help="plain network namespaces instead of Mininet")

@@ -33,8 +33,8 @@ from pathlib import Path
 
 from aggregator.p4rt import SwitchError, ThcSwitch, Uplink
 from topologies.bmv2 import CompiledProgram, ToolMissing, compile_program, find_tool
-from topologies.worker import check_results, collect
-from worker_lib.cli.args import log_level
+from topologies.worker import MAX_CHUNKS, MAX_SEED, check_results, collect
+from worker_lib.cli.args import int_in, log_level
 from worker_lib.job import JobConfig, JobConfigError
 from worker_lib.wire.layout import THC_UDP_PORT
 
@@ -268,10 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     d = TreeRun()
     ap = argparse.ArgumentParser(prog="python -m topologies.tree", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--chunks", type=int, default=d.chunks, help=f"chunks per worker (default {d.chunks})")
+    ap.add_argument("--chunks", type=int_in(1, MAX_CHUNKS), default=d.chunks,
+                    help=f"chunks per worker, 1..{MAX_CHUNKS} (default {d.chunks})")
     ap.add_argument("--elems", type=int, default=d.elems, help=f"K, indices per packet (default {d.elems})")
     ap.add_argument("--slots", type=int, default=d.slots, help=f"slots of the job (default {d.slots})")
-    ap.add_argument("--seed", type=int, default=d.seed, help="seed of the workers' indices")
+    ap.add_argument("--seed", type=int_in(0, MAX_SEED), default=d.seed,
+                    help=f"seed of the workers' indices, 0..{MAX_SEED} (default {d.seed})")
     ap.add_argument("--spine-loss", type=float, default=0.0, metavar="P",
                     help="drop this fraction (0..0.5) of leaf 0's packets to and from the spine (nftables)")
     ap.add_argument("--bmv2-spine", action="store_true",

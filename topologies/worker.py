@@ -15,18 +15,25 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import socket
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from worker_lib.cli.args import comma_list, host_port
+from worker_lib.cli.args import comma_list, float_in, host_port, int_in
 from worker_lib.job import JobConfig, JobConfigError, parse_job_spec
 from worker_lib.transport import AggregatorStateError, AggregatorUnreachable, Transport, TransportConfig
 from worker_lib.wire.layout import THC_UDP_PORT
 
 log = logging.getLogger(__name__)
+
+#: Bounds of the topologies' --chunks and --seed (shared by topologies.star and topologies.tree, whose
+#: workers get them): a run of a million chunks already takes minutes through BMv2, and numpy's
+#: generator takes unsigned seeds.
+MAX_CHUNKS = 1 << 20
+MAX_SEED = (1 << 32) - 1
 
 
 def worker_indices(seed: int, worker: int, chunks: int, elems: int, bits: int) -> np.ndarray:
@@ -92,6 +99,18 @@ def run_worker(cfg: JobConfig, worker: int, aggregator: tuple[str, int], bind: s
             "seconds_norm": t1 - t0, "seconds_data": t2 - t1, "stats": stats}
 
 
+def local_address(text: str) -> str:
+    """An argparse type: an IPv4 address of this host (its namespace) the worker's socket can bind, or
+    0.0.0.0; else one clear line, here rather than as the transport's bare socket error."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((text, 0))
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"not an IPv4 address of this host: {text!r} "
+                                         f"({exc.strerror or exc})") from None
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: run one worker and write its results as JSON (stdout or --out)."""
     ap = argparse.ArgumentParser(prog="python -m topologies.worker", description=__doc__.split("\n\n")[0],
@@ -102,13 +121,17 @@ def main(argv: list[str] | None = None) -> int:
                     type=comma_list(host_port, "10.0.0.100:9451,10.0.0.101:9451"),
                     help="HOST:PORT of the aggregator; several, comma-separated, in member order (thc-aggregator "
                          "--member I/N on each)")
-    ap.add_argument("--bind", default="0.0.0.0", help="local address to send from")
-    ap.add_argument("--chunks", type=int, default=16, help="chunks of K indices to aggregate")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the indices (see worker_indices)")
-    ap.add_argument("--timeout", type=float, default=0.2,
-                    help="retransmit timeout, s, until the round trip is measured "
+    ap.add_argument("--bind", type=local_address, default="0.0.0.0",
+                    help="local address to send from, an IPv4 address of this host (default: any)")
+    ap.add_argument("--chunks", type=int_in(1, MAX_CHUNKS), default=16,
+                    help=f"chunks of K indices to aggregate, 1..{MAX_CHUNKS}")
+    ap.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,
+                    help=f"seed of the indices (see worker_indices), 0..{MAX_SEED}")
+    ap.add_argument("--timeout", type=float_in(1e-4, 60), default=0.2,
+                    help="retransmit timeout, s, 0.0001..60, until the round trip is measured "
                          "(then 3 round trips, at least min(2 ms, this)); zero-fill: always this")
-    ap.add_argument("--deadline", type=float, default=20.0, help="give up after this long without answers")
+    ap.add_argument("--deadline", type=float_in(0.01, 86400), default=20.0,
+                    help="give up after this long without answers, s, 0.01..86400")
     ap.add_argument("--out", type=Path, help="write the JSON here instead of stdout")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

@@ -12,6 +12,8 @@ within one run with it: ``benchmarks/loss_phases.py``).
 
 Everything is created by ``up()`` and removed by ``down()`` (the context manager calls both, and
 ``down`` also runs after a failed ``up``); the processes started with ``popen`` are killed first.
+Inside the ``with`` block SIGTERM and SIGHUP end the program the way an error does (``Terminated``),
+so a killed benchmark leaves no namespaces, processes or temporary folders behind either.
 Needs root (CAP_NET_ADMIN); ``require_root()`` says why not when it is missing.
 
 Usage::
@@ -34,8 +36,10 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -47,6 +51,68 @@ Qdisc = Literal["tbf", "htb"]
 
 class NetemError(RuntimeError):
     """A command that builds or tears down the emulated network failed (the message has its stderr)."""
+
+
+#: The signals that end a run holding a ``Topology`` the way an error does (``ExitOnSignals``): a
+#: ``kill`` (SIGTERM) or a closed terminal or ssh session (SIGHUP). Their default action ends the
+#: process at once, leaving namespaces, the processes inside them and temporary folders behind.
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Terminated(SystemExit):
+    """Raised in the main thread by one of ``EXIT_SIGNALS`` (see ``ExitOnSignals``): it unwinds like an
+    error, so every ``with`` and ``finally`` on the way cleans up, and the process then exits with status
+    128 + the signal's number (as if the signal had killed it) without a traceback."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+class ExitOnSignals:
+    """Within the block, the first of ``EXIT_SIGNALS`` raises ``Terminated`` in the main thread, and
+    later ones are ignored while the cleanup that it set off runs; the previous handlers come back at
+    the end. ``shield()`` covers a step that must not stop halfway (building or removing namespaces): a
+    signal that arrives during it is held back and raised when it has finished. Off the main thread,
+    where Python cannot set handlers, it does nothing."""
+
+    def __init__(self) -> None:
+        self._previous: dict[int, object] = {}
+        self._raised = False  #: Terminated was raised: the cleanup is under way, later signals are ignored
+        self._shielded = False
+        self._held: int | None = None  #: a signal that came during ``shield``
+
+    def __enter__(self) -> ExitOnSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in EXIT_SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self._raised or self._held is not None:
+            return
+        if self._shielded:
+            self._held = signum
+            return
+        self._raised = True
+        raise Terminated(signum)
+
+    @contextlib.contextmanager
+    def shield(self) -> Iterator[None]:
+        """Run the block to its end whatever signal comes; then raise ``Terminated`` for one that came
+        (unless one was raised already)."""
+        self._shielded = True
+        try:
+            yield
+        finally:
+            self._shielded = False
+        if self._held is not None and not self._raised:
+            self._raised = True
+            raise Terminated(self._held)
 
 
 def require_root() -> str | None:
@@ -358,10 +424,35 @@ class Topology:
             raise NetemError("could not delete namespaces: " + "; ".join(errors))
 
     def __enter__(self) -> Topology:
-        return self.up()
+        """``up()``; from here until ``__exit__`` has run ``down()``, SIGTERM and SIGHUP raise ``Terminated``
+        (``ExitOnSignals``), so a killed run still removes everything."""
+        self._signals = ExitOnSignals().__enter__()
+        try:
+            with self._signals.shield():  # a signal during up() is raised once it is complete ...
+                self.up()
+        except BaseException as exc:
+            self._stopping(exc)
+            try:
+                self.down()  # ... and all of it removed (after a failed up(), nothing is left to remove)
+            finally:
+                self._signals.__exit__()
+            raise
+        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.down()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        """``down()``, which a signal does not cut short (one that comes is raised once it is done)."""
+        self._stopping(exc)
+        try:
+            with self._signals.shield():
+                self.down()
+        finally:
+            self._signals.__exit__()
+
+    def _stopping(self, exc: BaseException | None) -> None:
+        """One line on stderr when a signal ends the run (``Terminated``): why the program stops."""
+        if isinstance(exc, Terminated):
+            print(f"topologies.netem: {signal.Signals(exc.signum).name}: stopping; removing the emulated network "
+                  f"{self.prefix}-*", file=sys.stderr, flush=True)
 
 
 def remove_prefix(prefix: str) -> list[str]:
