@@ -46,6 +46,7 @@ def connections(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     (["--device-id", "-1", "jobs"], "--device-id"),
     (["--election-id", "-1", "jobs"], "--election-id"),
     (["remove", "--", "-1"], "job"),
+    (["stats", "--target", "tofino", "--elems", "0"], "argument --elems: must be in 1..65528, got 0"),
 ])
 def test_global_options_are_range_checked(argv: list[str], says: str, connections: list[str],
                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -139,3 +140,20 @@ def test_tofino_plan_refuses_bad_ports_and_repeated_jobs(extra: list[str], says:
     code, err = call_main(main, [*base, "--ports", "0,1,2,511", "--route", "10.0.0.0/8,00:00:00:00:00:01,511"],
                           capsys)
     assert code == 0 and out.exists(), err
+
+
+@pytest.mark.parametrize(("name", "data", "says"), [
+    ("p4info.pb", b"\xff\xff\xff\xff\x0f", "is not a binary P4Info"),
+    ("p4info.txt", b"\xff\xfe tables {", "is not a P4Info in protobuf text format"),
+    ("p4info.txt", b"tables { bogus: 1 }", "is not a P4Info in protobuf text format"),
+])
+def test_a_corrupt_p4info_is_one_line(name: str, data: bytes, says: str, tmp_path: Path, connections: list[str],
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A P4Info that is not one (a truncated binary, text that is not UTF-8 or not the schema) is refused in
+    one line naming the file (protobuf's DecodeError and UnicodeDecodeError were tracebacks)."""
+    info, blob = tmp_path / name, tmp_path / "thc.json"
+    info.write_bytes(data)
+    blob.write_text("{}")
+    code, err = call_main(main, ["load", "--p4info", str(info), "--json", str(blob)], capsys)
+    assert_one_line_refusal(code, err, says)
+    assert str(info) in err and connections == []

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from google.protobuf import text_format
+from google.protobuf import message, text_format
 from p4.config.v1 import p4info_pb2
 
 from aggregator.switch.entries import ProgramGeometry, lookup_action, lookup_table
@@ -28,11 +28,14 @@ def load_p4info(path: str | Path) -> p4info_pb2.P4Info:
         raise P4InfoError(f"cannot read P4Info {p}: {exc.strerror}") from None
     info = p4info_pb2.P4Info()
     if p.suffix in (".bin", ".pb"):
-        info.ParseFromString(data)
+        try:
+            info.ParseFromString(data)
+        except message.DecodeError as exc:
+            raise P4InfoError(f"{p} is not a binary P4Info: {exc}") from None
     else:
         try:
             text_format.Parse(data.decode(), info)
-        except text_format.ParseError as exc:
+        except (text_format.ParseError, UnicodeDecodeError) as exc:
             raise P4InfoError(f"{p} is not a P4Info in protobuf text format: {exc}") from None
     return info
 

@@ -180,8 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("stats", help="print the aggregator counters (JSON, Counter names of worker_lib.wire.protocol)")
     st.add_argument("--target", choices=TARGETS, default="bmv2",
                     help="switch kind: bmv2, tofino (Tofino 1) or tofino2 (Tofino 2) (default bmv2)")
-    st.add_argument("--elems", type=int, help="tofino: K of the compiled program, for the ELEMENTS counter "
-                                              "(default: the generator's for the target)")
+    st.add_argument("--elems", type=int_in(1, 65528),
+                    help="tofino: K of the compiled program, for the ELEMENTS counter (default: the generator's for "
+                         "the target)")
     st.add_argument("--output", type=Path, help="tofino: also write the bfrt_python script here")
     st.add_argument("--sde", help="tofino: the SDE directory (default $SDE)")
     st.add_argument("--leaf", action="store_true",
