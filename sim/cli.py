@@ -88,18 +88,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--paper-loss-model", action="store_true",
                         help="loss experiment: model a dropped packet as zeros in the gradient (the paper's "
                              "simulation) instead of the protocol's zero-fill through the aggregator")
-    parser.add_argument("--loss-rates", type=_rates, default=(0.001, 0.01),
+    parser.add_argument("--loss-rates", type=_rates,
                         help="loss experiment: comma-separated drop probabilities (default 0.001,0.01)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
+def _ignored_options(args: argparse.Namespace) -> list[str]:
+    """The options given that the chosen experiment would silently ignore: the loss model and rates outside
+    the loss experiment, and the training settings in nmse (no training)."""
+    given = {"--paper-loss-model": args.paper_loss_model, "--loss-rates": args.loss_rates is not None}
+    if args.experiment == "loss":
+        given = {}
+    if args.experiment == "nmse":
+        given |= {"--steps": args.steps is not None, "--lr": args.lr is not None,
+                  "--dataset": args.dataset != "digits"}
+    return [name for name, used in given.items() if used]
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    ignored = _ignored_options(args)
+    if ignored:
+        parser.error(f"{', '.join(ignored)}: not used by the {args.experiment} experiment")
     torch.set_num_threads(1)  # many tiny tensors: one thread avoids OpenMP overheads
     opt = Options(quick=args.quick, dataset=args.dataset, seed=args.seed, steps=args.steps, lr=args.lr,
-                  loss_model="paper" if args.paper_loss_model else "protocol", loss_rates=args.loss_rates)
+                  loss_model="paper" if args.paper_loss_model else "protocol",
+                  loss_rates=args.loss_rates or Options.loss_rates)
     out: Path = args.out
     try:
         out.mkdir(parents=True, exist_ok=True)

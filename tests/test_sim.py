@@ -113,6 +113,9 @@ def test_cli_quick_writes_csv_and_png(tmp_path):
     (["loss", "--lr", "-1"], "--lr: must be in 1e-09..100, got -1"),
     (["loss", "--seed", "-1"], "--seed: must be in 0..4294967295, got -1"),
     (["loss", "--out", "/proc/no/such"], "cannot create the output folder /proc/no/such"),
+    (["nmse", "--loss-rates", "0.1"], "--loss-rates: not used by the nmse experiment"),
+    (["stragglers", "--paper-loss-model"], "--paper-loss-model: not used by the stragglers experiment"),
+    (["nmse", "--steps", "5", "--dataset", "mnist"], "--steps, --dataset: not used by the nmse experiment"),
 ])
 def test_cli_bad_input_is_one_line(argv, says, capsys):
     try:
