@@ -377,3 +377,32 @@ def test_a_bad_gradient_or_error_is_named_and_leaves_nothing_to_decode():
         w.begin(good, 0, 1, error=torch.tensor([0.0, float("inf")] * 4))
     with pytest.raises(ValueError, match=r"^gradient's norm overflows"):
         w.begin(torch.full((8,), 3e38), 0, 1, error=err)
+
+
+def test_misuse_is_refused_and_leaves_the_worker_usable() -> None:
+    """Bad arguments get a ValueError naming them, raised before anything changes: a worker that was given
+    one still decodes the step and keeps its error feedback (a wrong ``out`` used to fail in torch after the
+    step's state was cleared; a bad gradient of a new length used to drop the tensor's error feedback)."""
+    import numpy as np
+
+    w = THCWorker(THCConfig(bits=4, granularity=30), job=1, worker=0, seed=0)
+    g = torch.randn(100, generator=torch.Generator().manual_seed(1))
+    norm = w.begin(g, 0, 0)
+    sums = w.codec.aggregate([w.compress(0, norm).indices])
+    for kw, says in (({"out": torch.empty(5)}, "out must be a torch tensor of 100 elements, got 5 elements"),
+                     ({"out": np.empty(100, np.float32)}, "out must be a torch tensor of 100 elements, got ndarray"),
+                     ({"count": 1.5}, "the contributor count must be an integer"),
+                     ({"count": torch.full((128,), 1.7)}, "contributor counts must be integers")):
+        args = {"count": 1, **kw}
+        with pytest.raises(ValueError, match=says):
+            w.finish(0, sums, args.pop("count"), **args)
+    out = w.finish(0, sums.numpy(), 1)  # the transport's numpy sums are taken as they come
+    assert out.shape == (100,) and torch.isfinite(out).all()
+    error = w.error(0).clone()
+    bad = torch.randn(50)
+    bad[0] = math.nan
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        w.begin(bad, 0, 1)
+    assert torch.equal(w.error(0), error)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        w.codec.decode(sums, 1, math.nan, 100, SignKey.derive(1, 0, 0))

@@ -965,3 +965,36 @@ def test_gso_run_arrives_as_the_datagrams() -> None:
         res = tr.exchange_indices(idx)
         assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
         assert 0 < tr.stats.gso_sends < tr.stats.packets_sent
+
+
+def test_misuse_is_refused_before_a_use_is_claimed() -> None:
+    """A call refused for its arguments raises ValueError naming them before it claims a use: a refused
+    tensor id used to claim one, leaving this worker a use ahead of the job's others for good (every later
+    exchange timed out); a norm beyond float32 waited out the deadline. Bad settings are refused at once."""
+    cfg = JobConfig(workers=1, slots=8, elems=K)
+    with serving(cfg) as srv:
+        with Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv.port), deadline=5)) as tr:
+            for call, says in ((lambda: tr.exchange_norm(1.0, tensor=-1), "tensor must be an integer in 0..4294967295"),
+                               (lambda: tr.exchange_norm(1.0, tensor=1 << 40), "tensor must be an integer"),
+                               (lambda: tr.exchange_indices(np.zeros(K, np.uint8), tensor=-1), "tensor must be"),
+                               (lambda: tr.exchange_indices(np.full(K, 3.7)), "indices must be integers"),
+                               (lambda: tr.exchange_norm(1e40), "fit float32"),
+                               (lambda: tr.exchange_int32(np.ones(K, np.int32)), "needs an uncompressed job")):
+                with pytest.raises(ValueError, match=says):
+                    call()
+            assert tr.next_use == 0
+            assert tr.exchange_norm(2.5) == (2.5, 1)
+    flat = JobConfig(job=2, workers=1, kind="uncompressed", slots=8, elems=K)
+    tr = Transport(TransportConfig(flat, worker=0, aggregator=("127.0.0.1", 9)))
+    for values, says in ((np.array([2**33]), "values must fit int32"), (np.array([2.7]), "values must be integers")):
+        with pytest.raises(ValueError, match=says):
+            tr.exchange_int32(values)
+    assert tr.next_use == 0
+    tr.close()
+    for kw, says in (({"deadline": math.nan}, "deadline must be positive and finite"),
+                     ({"shards": 0}, "shards must be an integer in 1..4096"),
+                     ({"retries": -1}, "retries must be a non-negative integer"),
+                     ({"worker": 0.5}, "worker id 0.5"),
+                     ({"aggregator": ("127.0.0.1", 70000)}, "the port must be an integer in 1..65535")):
+        with pytest.raises(ValueError, match=says):
+            TransportConfig(cfg, **{"worker": 0, "aggregator": ("127.0.0.1", 9), **kw})

@@ -93,6 +93,22 @@ class AggregatorStateError(RuntimeError):
 
 _CHUNK_AT = field_offsets()["chunk"]  #: the header's chunk field (32 bits, big-endian)
 
+#: The largest finite float32: a norm travels as one.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _is_int(value: object) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_tensor_id(tensor: int) -> None:
+    """Refuse (ValueError) a tensor id the header's 32-bit field cannot carry, before any use is claimed: a
+    call refused after claiming would leave this worker a use ahead of the others for good."""
+    if not _is_int(tensor) or not 0 <= tensor < 1 << 32:
+        raise ValueError(f"tensor must be an integer in 0..{(1 << 32) - 1}, got {tensor!r}")
+
+
 #: What to do about an ``AggregatorStateError`` (also matched in the message of DDP's wrapped exceptions).
 STALE_JOB_ADVICE = ("the aggregator holds the state of another run of this job; start each run with a fresh "
                     "job: restart thc-aggregator, add the job again over its control socket (thc-control SOCKET add "
@@ -137,15 +153,23 @@ class TransportConfig:
 
     def __post_init__(self) -> None:
         p = self.params
-        if not 0 <= self.worker < p.workers:
+        if not _is_int(self.worker) or not 0 <= self.worker < p.workers:
             raise ValueError(f"worker id {self.worker} is not in 0..{p.workers - 1}")
         if self.loss_policy not in ("reliable", "zero-fill"):
             raise ValueError(f"loss_policy must be 'reliable' or 'zero-fill', got {self.loss_policy!r}")
         for name in ("drop_up", "drop_down"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1)")
-        if self.timeout <= 0 or self.deadline <= 0 or self.min_timeout <= 0:
-            raise ValueError("timeout, min_timeout and deadline must be positive")
+        if not all(math.isfinite(t) and t > 0 for t in (self.timeout, self.deadline, self.min_timeout)):
+            raise ValueError("timeout, min_timeout and deadline must be positive and finite")
+        if not _is_int(self.shards) or not 1 <= self.shards <= 4096:
+            raise ValueError(f"shards must be an integer in 1..4096, got {self.shards!r}")
+        if not _is_int(self.retries) or self.retries < 0:
+            raise ValueError(f"retries must be a non-negative integer, got {self.retries!r}")
+        for host, port in (self.aggregator, *self.more_aggregators):
+            if not _is_int(port) or not 1 <= port <= 65535 or (port + self.shards - 1) > 65535:
+                raise ValueError(f"aggregator {host}:{port}: the port must be an integer in 1..65535 (and its "
+                                 f"{self.shards} shards' ports too)")
         if not 0 <= self.max_backoff <= 16:
             raise ValueError(f"max_backoff must be in 0..16, got {self.max_backoff}")
         if self.max_timeout < self.timeout:
@@ -315,6 +339,9 @@ class Transport:
         p = self.cfg.params
         if p.kind != "thc":
             raise ValueError("exchange_indices needs a THC job; use exchange_int32")
+        check_tensor_id(tensor)
+        if not np.issubdtype(np.asarray(indices).dtype, np.integer):
+            raise ValueError(f"indices must be integers, got dtype {np.asarray(indices).dtype}")
         # built (and the indices checked) before the uses are claimed: a refused tensor spends none
         pkts = index_packets(p.request_fields(PacketType.DATA, worker=self.wire_worker, tensor=tensor), indices,
                              p.bits, p.elems)
@@ -332,7 +359,14 @@ class Transport:
     def exchange_int32(self, values: np.ndarray, *, tensor: int = 0) -> UseResults:
         """Uncompressed jobs: send int32 fixed-point values and return their int32 sums."""
         p = self.cfg.params
-        v = np.asarray(values, np.int64).reshape(-1)
+        if p.kind != "uncompressed":
+            raise ValueError(f"exchange_int32 needs an uncompressed job, not kind {p.kind!r}; use exchange_indices")
+        raw = np.asarray(values)
+        if not np.issubdtype(raw.dtype, np.integer):
+            raise ValueError(f"values must be integers (int32 fixed point), got dtype {raw.dtype}")
+        v = raw.astype(np.int64).reshape(-1)
+        if v.size and (int(v.min()) < -(1 << 31) or int(v.max()) >= 1 << 31):
+            raise ValueError(f"values must fit int32, got {int(v.min())}..{int(v.max())}")
         chunks = max(1, math.ceil(v.size / p.elems))
         padded = np.zeros(chunks * p.elems, ">i4")
         padded[: v.size] = v
@@ -343,8 +377,8 @@ class Transport:
 
         Always retransmitted until it completes (it is a barrier), whatever the loss policy.
         """
-        if not (math.isfinite(norm) and norm >= 0):
-            raise ValueError(f"a norm must be finite and non-negative, got {norm}")
+        if not (math.isfinite(norm) and 0 <= norm <= FLOAT32_MAX):
+            raise ValueError(f"a norm must be finite, non-negative and fit float32, got {norm}")
         payload = np.frombuffer(float_bits(norm).to_bytes(4, "big"), np.uint8)[None, :]
         res = self.run_uses(PacketType.NORM, payload, tensor=tensor, policy="reliable")
         bits = int(res.sums[0])
@@ -399,6 +433,7 @@ class Transport:
             raise ValueError(f"a message of {nbytes} bytes exceeds the job's max_message {p.max_message}")
         per = p.elems
         frags = fragment_count(nbytes, per)
+        check_tensor_id(tensor)
         slots, rounds = self._claim_uses(1)
         sizes = np.minimum(per, nbytes - np.arange(frags) * per)
         body = np.zeros((frags, DAR_PREFIX_BYTES + per), np.uint8)
@@ -458,6 +493,7 @@ class Transport:
                  policy: LossPolicy | None = None) -> UseResults:
         """Send one use per payload row (the next uses of the pool) and collect their answers."""
         count = payloads.shape[0]
+        check_tensor_id(tensor)  # before the uses are claimed: a refused call spends none
         slots, rounds = self._claim_uses(count)
         hdr = self.cfg.params.request_fields(typ, worker=self.wire_worker, slot=slots, round=rounds, tensor=tensor,
                                              chunk=np.arange(count))

@@ -245,6 +245,8 @@ class THCCodec:
         if lost is not None and lost.numel() != sums.numel():
             raise ValueError(f"the lost mask has {lost.numel()} entries for {sums.numel()} sums")
         if isinstance(count, torch.Tensor):
+            if count.is_floating_point() or count.is_complex() or count.dtype == torch.bool:
+                raise ValueError(f"contributor counts must be integers, got dtype {count.dtype}")
             counts = count.to(self.device, torch.int64).reshape(-1)
             if counts.numel() != sums.numel():
                 raise ValueError(f"{counts.numel()} contributor counts for {sums.numel()} sums")
@@ -256,6 +258,8 @@ class THCCodec:
                 raise ValueError("sums outside [0, g * count]: wrong counts or corrupt data")
             est = from_grid(sums.to(torch.float64) / counts, 1, -scale, scale, g, out=out)
         else:
+            if isinstance(count, bool) or not isinstance(count, (int, np.integer)):
+                raise ValueError(f"the contributor count must be an integer (or a tensor of them), got {count!r}")
             if count < 1:
                 raise ValueError(f"the contributor count must be positive, got {count}")
             bad = ValueError(f"sums outside [0, g * count] = [0, {g * count}]: wrong count or corrupt data")
@@ -282,6 +286,7 @@ class THCCodec:
         ``count`` and ``lost`` are as for ``rotated_estimate``. The result is a new tensor unless
         ``out`` (length d, float32) is given.
         """
+        check_norm(scale, "scale")
         buf = buffers.use(key) if buffers else self._default(length, key)
         if buf.rht.d != length:
             raise ValueError(f"buffers are for length {buf.rht.d}, not {length}")
@@ -371,10 +376,10 @@ class THCWorker:
         flat = flat_float32(grad)
         key = SignKey.derive(self.job, tensor, step)
         st = self._tensors.get(tensor)
-        if st is None or st.x.numel() != flat.numel():
+        if st is None or st.x.numel() != flat.numel():  # kept only once the gradient passed (below)
             buffers = self.codec.buffers(flat.numel(), key)
             zeros = torch.zeros(flat.numel(), dtype=torch.float32, device=self.codec.device)
-            st = self._tensors[tensor] = _TensorState(buffers, zeros.clone(), zeros)
+            st = _TensorState(buffers, zeros.clone(), zeros)
         own = self.config.error_feedback and st.has_error
         if error is not None and error.shape != (flat.numel(),):
             raise ValueError(f"the error feedback has shape {tuple(error.shape)}, the gradient {flat.numel()} "
@@ -389,9 +394,11 @@ class THCWorker:
                 norm = self.codec.rotate_sum(flat, st.error if error is None else error, st.x, key, st.buffers,
                                              "the gradient plus its error feedback")[1]
         except ValueError:
-            st.encoded = None  # nothing of this step may be quantized or decoded
+            if self._tensors.get(tensor) is st:
+                st.encoded = None  # nothing of this step may be quantized or decoded
             finite_norm(flat)
             raise
+        self._tensors[tensor] = st  # a tensor of a new length replaces its state (and error) only now
         st.key, st.shape, st.dtype, st.encoded, st.norm = key, grad.shape, grad.dtype, None, norm
         st.keeps_error, st.rotated_residual = error is not None, False
         return st.norm
@@ -445,6 +452,11 @@ class THCWorker:
         st = self._require(tensor)
         if st.encoded is None:
             raise RuntimeError(f"tensor {tensor}: compress() must come before finish()")
+        if out is not None and (not isinstance(out, torch.Tensor) or out.numel() != st.x.numel()):
+            what = f"{out.numel()} elements" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"tensor {tensor}: out must be a torch tensor of {st.x.numel()} elements, got {what}")
+        if isinstance(sums, np.ndarray):  # as the transport returns them (UseResults.sums)
+            sums = torch.from_numpy(sums)
         direct = (out is not None and out.dtype == st.dtype == torch.float32 and out.device == st.x.device
                   and out.is_contiguous() and out.numel() == st.x.numel())  # decoded in place: no copy
         st.rotated_residual = False  # decoding goes through the rotation's buffer
