@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -115,6 +116,21 @@ def test_job_spec_and_config_errors_are_clear(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "aggregator.cli", "--port", "0", "--job", "workers=16,result_bits=8"],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "does not fit" in r.stderr
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"workers": 4.5}, "workers must be an integer, got 4.5"),
+    ({"slots": "8"}, "slots must be an integer, got '8'"),
+    ({"threshold": 2.5}, "threshold must be an integer"),
+    ({"job": True}, "job must be an integer"),
+    ({"leaves": 4}, "leaves must be a sequence of integers, got 4"),
+    ({"p": "1/32"}, "p must be a number"),
+])
+def test_a_job_setting_of_the_wrong_type_is_named(kw: dict, says: str) -> None:
+    """JobConfig built in code (not through a spec, whose parser converts): a setting of the wrong type is
+    refused by name (a float slot count used to fail later in the transport's arithmetic)."""
+    with pytest.raises(JobConfigError, match=re.escape(says)):
+        JobConfig(**kw)
 
 
 def test_sighup_reload_adds_and_removes_jobs(tmp_path: Path) -> None:

@@ -96,6 +96,7 @@ class JobConfig:
     _table_id: int = field(default=0, init=False, repr=False, compare=False)  # a hash: computed once
 
     def __post_init__(self) -> None:
+        self._check_types()
         if not 0 <= self.job < 1 << 16:
             raise JobConfigError(f"job id must be in [0, 65536), got {self.job}")
         if not 0 <= self.key < 1 << 32:
@@ -173,6 +174,21 @@ class JobConfig:
             total = HEADER_BYTES + IP_UDP_OVERHEAD + k * per
             raise JobConfigError(f"job {self.job}: a result of {k} x {self.result_bits}-bit sums "
                                  f"({total} bytes with headers) exceeds the mtu {self.mtu}")
+
+    def _check_types(self) -> None:
+        """Refuse a setting of the wrong type by name (``workers=4.5`` or ``slots="8"`` used to pass, or
+        fail later in a comparison or a multiplication that named no field)."""
+        for name in ("job", "key", "workers", "threshold", "bits", "granularity", "result_bits", "slots", "elems",
+                     "mtu", "length", "max_message", "seed"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+                raise JobConfigError(f"job {self.job!r}: {name} must be an integer, got {value!r}")
+        if isinstance(self.p, bool) or not isinstance(self.p, (int, float, np.floating)):
+            raise JobConfigError(f"job {self.job}: p must be a number (parse_fraction reads '1/32'), got {self.p!r}")
+        for name in ("table", "leaves"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, (str, bytes)) or not hasattr(value, "__iter__")):
+                raise JobConfigError(f"job {self.job}: {name} must be a sequence of integers, got {value!r}")
 
     def _check_leaves(self) -> None:
         """Validate a two-tier job's leaf layout (the widths are checked with the one-tier rules)."""
