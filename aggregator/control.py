@@ -47,6 +47,9 @@ REFUSALS_PER_S = 100
 MAX_DATAGRAM = 8192
 
 Totals = Callable[[], dict[str, int]]
+#: How a serving loop puts a job list (possibly empty) into its shards: (jobs, the ids to configure anew
+#: even where their settings did not change: those a control ``add`` named).
+Install = Callable[[list[JobConfig], frozenset[int]], None]
 
 
 class ControlConfigError(ValueError):
@@ -281,7 +284,7 @@ class ControlChannel:
             reply, _ = commit(cmd, {j.job: j for j in self._jobs()}, self._totals)
             self._reply(reply, peer)
 
-    def apply(self, jobs: list[JobConfig], install: Callable[[list[JobConfig], frozenset[int]], None]) -> None:
+    def apply(self, jobs: list[JobConfig], install: Install) -> None:
         """Apply the waiting job changes in order: ``install`` the job list they leave (if any changed) with
         the ids of the jobs an ``add`` named, which start fresh even where their settings did not change
         (docs/protocol.md, "A new run needs a fresh job"), then answer them, so that a reply is never seen

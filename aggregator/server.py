@@ -22,7 +22,7 @@ from types import FrameType
 
 import numpy as np
 
-from aggregator.control import ControlChannel, ControlConfig
+from aggregator.control import ControlChannel, ControlConfig, Install
 from aggregator.dar import preload_codecs
 from aggregator.engine import DEFAULT_STRIDE, Aggregator
 from aggregator.metrics import StatsLine, start_metrics
@@ -31,10 +31,6 @@ from worker_lib.job import JobConfig, load_jobs
 from worker_lib.wire.protocol import Counter, DarCounter
 
 log = logging.getLogger(__name__)
-
-#: How a serving loop puts a job list (possibly empty) into its shards: (jobs, the ids to configure anew
-#: even where their settings did not change).
-Install = Callable[[list[JobConfig], frozenset[int]], None]
 
 
 @dataclass

@@ -21,6 +21,7 @@ import numpy as np
 
 from worker_lib.thc import LookupTable, solve_table
 from worker_lib.thc.table import parse_fraction
+from worker_lib.values import is_integer
 from worker_lib.wire.layout import (
     DAR_PREFIX_BYTES,
     HEADER_BYTES,
@@ -181,7 +182,7 @@ class JobConfig:
         for name in ("job", "key", "workers", "threshold", "bits", "granularity", "result_bits", "slots", "elems",
                      "mtu", "length", "max_message", "seed"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+            if value is not None and not is_integer(value):
                 raise JobConfigError(f"job {self.job!r}: {name} must be an integer, got {value!r}")
         if isinstance(self.p, bool) or not isinstance(self.p, (int, float, np.floating)):
             raise JobConfigError(f"job {self.job}: p must be a number (parse_fraction reads '1/32'), got {self.p!r}")

@@ -62,6 +62,7 @@ from worker_lib.pacing import BURST_RUN, Pacer, extend_loss_runs
 from worker_lib.resend_timers import due_uses
 from worker_lib.result_intake import OWN_SHARE_PROBE, foreign_chunk, has_notice, take_results
 from worker_lib.udp_offload import GSO_BYTES, GSO_SEGMENTS, SOL_UDP, UDP_SEGMENT, gso_available
+from worker_lib.values import is_integer
 from worker_lib.wire.index_packets import index_packets, stamp_uses
 from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, PacketType, field_offsets
 from worker_lib.wire.pcap import PcapWriter
@@ -97,15 +98,10 @@ _CHUNK_AT = field_offsets()["chunk"]  #: the header's chunk field (32 bits, big-
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
-def _is_int(value: object) -> bool:
-    """An integer (Python's or numpy's), not a bool."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def check_tensor_id(tensor: int) -> None:
     """Refuse (ValueError) a tensor id the header's 32-bit field cannot carry, before any use is claimed: a
     call refused after claiming would leave this worker a use ahead of the others for good."""
-    if not _is_int(tensor) or not 0 <= tensor < 1 << 32:
+    if not is_integer(tensor) or not 0 <= tensor < 1 << 32:
         raise ValueError(f"tensor must be an integer in 0..{(1 << 32) - 1}, got {tensor!r}")
 
 
@@ -153,7 +149,7 @@ class TransportConfig:
 
     def __post_init__(self) -> None:
         p = self.params
-        if not _is_int(self.worker) or not 0 <= self.worker < p.workers:
+        if not is_integer(self.worker) or not 0 <= self.worker < p.workers:
             raise ValueError(f"worker id {self.worker} is not in 0..{p.workers - 1}")
         if self.loss_policy not in ("reliable", "zero-fill"):
             raise ValueError(f"loss_policy must be 'reliable' or 'zero-fill', got {self.loss_policy!r}")
@@ -162,12 +158,12 @@ class TransportConfig:
                 raise ValueError(f"{name} must be in [0, 1)")
         if not all(math.isfinite(t) and t > 0 for t in (self.timeout, self.deadline, self.min_timeout)):
             raise ValueError("timeout, min_timeout and deadline must be positive and finite")
-        if not _is_int(self.shards) or not 1 <= self.shards <= 4096:
+        if not is_integer(self.shards) or not 1 <= self.shards <= 4096:
             raise ValueError(f"shards must be an integer in 1..4096, got {self.shards!r}")
-        if not _is_int(self.retries) or self.retries < 0:
+        if not is_integer(self.retries) or self.retries < 0:
             raise ValueError(f"retries must be a non-negative integer, got {self.retries!r}")
         for host, port in (self.aggregator, *self.more_aggregators):
-            if not _is_int(port) or not 1 <= port <= 65535 or (port + self.shards - 1) > 65535:
+            if not is_integer(port) or not 1 <= port <= 65535 or (port + self.shards - 1) > 65535:
                 raise ValueError(f"aggregator {host}:{port}: the port must be an integer in 1..65535 (and its "
                                  f"{self.shards} shards' ports too)")
         if not 0 <= self.max_backoff <= 16:

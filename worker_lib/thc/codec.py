@@ -29,6 +29,7 @@ from worker_lib.thc.quantize import (
 )
 from worker_lib.thc.signs import SignKey
 from worker_lib.thc.table import LookupTable, solve_table, truncation_threshold, uniform_table
+from worker_lib.values import is_integer
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -258,7 +259,7 @@ class THCCodec:
                 raise ValueError("sums outside [0, g * count]: wrong counts or corrupt data")
             est = from_grid(sums.to(torch.float64) / counts, 1, -scale, scale, g, out=out)
         else:
-            if isinstance(count, bool) or not isinstance(count, (int, np.integer)):
+            if not is_integer(count):
                 raise ValueError(f"the contributor count must be an integer (or a tensor of them), got {count!r}")
             if count < 1:
                 raise ValueError(f"the contributor count must be positive, got {count}")

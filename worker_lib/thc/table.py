@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.special import ndtr, ndtri
 
+from worker_lib.values import is_integer
+
 MAX_GRANULARITY = 4096  # the dynamic programme holds a (g + 1)^2 matrix of float64 costs
 
 
@@ -59,9 +61,9 @@ def truncation_threshold(p: float) -> float:
 
 def validate_parameters(bits: int, granularity: int) -> None:
     """Raise ValueError unless 1 <= bits <= 8 and 2^bits - 1 <= granularity <= MAX_GRANULARITY."""
-    if isinstance(bits, bool) or not isinstance(bits, int | np.integer) or not 1 <= bits <= 8:
+    if not is_integer(bits) or not 1 <= bits <= 8:
         raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
-    if isinstance(granularity, bool) or not isinstance(granularity, int | np.integer):
+    if not is_integer(granularity):
         raise ValueError(f"granularity must be an integer, got {granularity!r}")
     if granularity < (1 << bits) - 1:
         raise ValueError(f"granularity must be >= 2^bits - 1 = {(1 << bits) - 1} for {bits} bits, "
