@@ -40,7 +40,7 @@ import torch
 
 from worker_lib.cli.args import FLOAT_DTYPES, int_in
 from worker_lib.thc import THCCodec, THCConfig, THCWorker
-from worker_lib.thc.hadamard import have_fht_cpu
+from worker_lib.thc.hadamard import have_fht_cpu, next_pow2
 from worker_lib.thc.quantize import unpack_indices
 from worker_lib.thc.signs import SignKey
 
@@ -115,11 +115,13 @@ def measure_hook(config: THCConfig, dim: int, repeats: int, device: torch.device
     feedback; ``worker_lib.allreduce``): ``begin`` (gradient + error, norm, rotation), ``compress``, the new
     error x - RHT^-1(X_i) (which the hook computes beside the index exchange), and ``finish`` (decoding the
     int32 sums of two workers into the gradient's buffer). The codec's CPU cost of a DDP step, apart from
-    the network."""
+    the network. With ``config.rotation == "fixed"`` the error stays rotated: compress writes it, and the
+    error phase has nothing left to do."""
     worker = THCWorker(THCConfig(bits=config.bits, granularity=config.granularity, backend=config.backend,
-                                 error_feedback=False), job=1, device=device, seed=1)
+                                 error_feedback=False, rotation=config.rotation), job=1, device=device, seed=1)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    grad, error = torch.randn(dim, generator=gen).to(device), torch.zeros(dim, device=device)
+    grad = torch.randn(dim, generator=gen).to(device)
+    error = torch.zeros(next_pow2(dim) if worker.fixed else dim, device=device)
     out = torch.empty(dim, device=device)
     phases: dict[str, list[float]] = {"begin": [], "compress": [], "error": [], "finish": []}
     for step in range(repeats + 3):
@@ -207,17 +209,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hook", action="store_true",
                         help="one worker's codec work per step as the DDP hook does it (error feedback kept by "
                              "the hook, averages decoded into the bucket), phase by phase")
+    parser.add_argument("--rotation", choices=("per-step", "fixed"), default="per-step",
+                        help="with --hook: THC's rotation, new signs every step or fixed (error feedback kept rotated)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     device = device_of(parser, args.device)
     if args.hook and (args.contention or args.dtype != "float32"):
         parser.error("--hook measures float32 gradients on its own: leave out --contention and --dtype")
+    if args.rotation != "per-step" and not args.hook:
+        parser.error("--rotation applies to --hook only (the other measurements keep no error feedback)")
     if args.contention and device.type != "cpu":
         parser.error("--contention measures on the CPU: leave out --device")
     if args.backend == "fht-cpu" and (device.type != "cpu" or not have_fht_cpu()):
         parser.error("--backend fht-cpu needs the fht-cpu package and --device cpu")
     try:
-        config = THCConfig(bits=args.bits, granularity=args.granularity, backend=args.backend)
+        config = THCConfig(bits=args.bits, granularity=args.granularity, backend=args.backend, rotation=args.rotation)
     except ValueError as exc:
         parser.error(f"--bits {args.bits} --granularity {args.granularity}: {exc}")
     if args.threads is not None:
@@ -239,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(res))
             return
         print(f"THC b={args.bits} g={args.granularity} d={args.dim} float32 on {res['device']}, the DDP hook's "
-              f"arrangement ({res['threads']} threads), median of {res['repeats']}, ms per step:")
+              f"arrangement ({res['threads']} threads, {args.rotation} rotation), median of {res['repeats']}, "
+              "ms per step:")
         print("  " + "  ".join(f"{name} {res[f'{name}_ms']:.2f}" for name in ("begin", "compress", "error", "finish"))
               + f"  total {res['total_ms']:.2f}")
         return

@@ -96,6 +96,8 @@ def measure(net: Topology, run: Run, job: int, args: argparse.Namespace, agg_pid
                  *(["--elems", str(k)] if k else [])]
         if run.mode.endswith("mcast"):
             extra += ["--multicast", GROUP]
+        if kind(run.mode) == "thc":
+            extra += ["--rotation", args.rotation]
     cpu0 = cpu_seconds(agg_pid) if agg_pid else 0.0
     t0 = time.perf_counter()
     res = run_training(net, [*model_args(args), *extra, "--json-out", str(out)], timeout=args.run_timeout,
@@ -373,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-features", type=int_in(1, 1 << 16), default=32, help="input features, 1..65536")
     p.add_argument("--batch-size", type=int_in(1, 1 << 16), default=32, help="samples per rank and step, 1..65536")
     p.add_argument("--qdisc", choices=("tbf", "htb"), default="tbf")
+    p.add_argument("--rotation", choices=("per-step", "fixed"), default="per-step",
+                   help="THC's rotation (examples/train_ddp.py --rotation): new signs every step, or fixed with "
+                        "the error feedback kept rotated")
     p.add_argument("--mtu", type=int_in(68, 65535), default=1500,
                    help="MTU of every link, 68..65535 (9000: jumbo frames, for every mode)")
     p.add_argument("--elems", type=int_in(8, 65528),

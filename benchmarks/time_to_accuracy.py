@@ -64,7 +64,8 @@ def train_args(args: argparse.Namespace, mode: str, job: JobConfig | None, aggre
     if job is None:
         return [*common, "--compression", "none"]
     extra = ["--multicast", job.multicast] if job.multicast else []
-    return [*common, "--compression", "thc", "--job-id", str(job.job), "--aggregator", aggregator, *extra]
+    return [*common, "--compression", "thc", "--job-id", str(job.job), "--aggregator", aggregator,
+            "--rotation", args.rotation, *extra]
 
 
 def run_all(args: argparse.Namespace) -> list[dict]:
@@ -185,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mtu", type=int_in(576, 9000), default=1500, help="MTU of every link")
     p.add_argument("--slots", type=int_in(1, 65536), default=512, help="slots S of the THC job")
     p.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0)
+    p.add_argument("--rotation", choices=("per-step", "fixed"), default="per-step",
+                   help="THC's rotation (examples/train_ddp.py --rotation): new signs every step, or fixed")
     p.add_argument("--repeats", type=int_in(1, 100), default=1, help="runs of every rate and mode")
     p.add_argument("--run-timeout", type=float_in(1, 86400), default=1800.0, help="seconds for one run")
     p.add_argument("--csv", type=output_file, help="write every evaluation here")

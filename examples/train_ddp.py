@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float_in(0.01, 86400), default=10.0,
                    help="seconds without any answer from the aggregator before failing, 0.01..86400")
     p.add_argument("--no-error-feedback", action="store_true", help="disable THC's error feedback")
+    p.add_argument("--rotation", choices=("per-step", "fixed"), default="per-step",
+                   help="THC's rotation: new random signs every step (the paper's), or one rotation per bucket "
+                        "for the whole run, whose error feedback stays rotated (one transform per step fewer)")
     p.add_argument("--no-overlap", action="store_true", help="exchange inside the hook, not on a thread")
     p.add_argument("--bucket-cap-mb", type=float_in(0.001, 1 << 16), default=25.0, help="DDP bucket size, MB")
     p.add_argument("--task", choices=("regression", *DATASETS), default="regression",
@@ -248,7 +251,7 @@ def hook_config(args: argparse.Namespace, job: JobConfig, members: list[tuple[st
                          loss_policy=args.loss_policy,
                          timeout=args.timeout, deadline=args.deadline, bind_host=bind,
                          error_feedback=not args.no_error_feedback, overlap=not args.no_overlap, seed=args.seed,
-                         gro=args.gro)
+                         gro=args.gro, rotation=args.rotation)
 
 
 def publish_aggregator(args: argparse.Namespace, stack: contextlib.ExitStack, rank: int, world: int,

@@ -172,6 +172,98 @@ def test_residual_taken_twice_or_after_a_second_compress_is_still_its_definition
     assert torch.allclose(decoded.double(), rht.inverse(x_i), atol=1e-5)
 
 
+@pytest.mark.parametrize("d", [1024, 1000])
+def test_fixed_rotation_keeps_its_error_rotated_and_telescopes(d: int) -> None:
+    """``rotation="fixed"``: one key for every step, the error feedback kept rotated at the padded length,
+    and the telescoping sum of error feedback holds in the original domain (sum of decoded updates plus the
+    final error, rotated back, equals the sum of gradients), padding or not."""
+    w = THCWorker(THCConfig(bits=2, granularity=3, p=0.05, rotation="fixed"), job=9, seed=4)
+    assert w.key(0, 7) == w.key(0, 0) != w.key(1, 0)
+    assert THCWorker(THCConfig(), job=9).key(0, 7) != THCWorker(THCConfig(), job=9).key(0, 0)
+    gen = torch.Generator().manual_seed(1)
+    total_grad = torch.zeros(d, dtype=torch.float64)
+    total_est = torch.zeros(d, dtype=torch.float64)
+    for step in range(6):
+        g = torch.randn(d, generator=gen)
+        total_grad += g.double()
+        enc = w.compress(0, w.begin(g, tensor=0, step=step))
+        total_est += w.finish(0, w.codec.aggregate([enc.indices]), 1).double()
+    rotated = w.error(0)
+    assert rotated.shape == (1024,)  # the padded length
+    err = w.error_from_rotated(0, rotated, d).double()
+    assert torch.allclose(total_est + err, total_grad, atol=1e-3)
+    assert float(err.norm()) > 0.1 * math.sqrt(d)  # 2-bit quantization does leave an error to carry
+    back = w.error_to_rotated(0, err.float())
+    if d == 1024:  # nothing in the padding: rotating back and forth is the identity up to rounding
+        assert torch.allclose(back, rotated, atol=1e-5)
+
+
+def test_fixed_rotation_is_the_same_error_feedback_as_a_constant_key() -> None:
+    """Error feedback kept rotated (fixed rotation) is the paper's x - RHT^-1(X_i) under a key that never
+    changes: a per-step worker called with step 0 every time uses that key and keeps its error unrotated.
+    Same seed, same uniforms: the two decode the same averages, step after step, to float32 rounding."""
+    d = 2048  # a power of two: no padding, whose residual only the fixed rotation carries
+    fixed = THCWorker(THCConfig(rotation="fixed"), job=5, seed=3)
+    plain = THCWorker(THCConfig(), job=5, seed=3)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(5):
+        g = torch.randn(d, generator=gen)
+        n_fixed, n_plain = fixed.begin(g, 0, step), plain.begin(g, 0, 0)
+        assert n_fixed == pytest.approx(n_plain, rel=1e-5)
+        a = fixed.compress(0, n_fixed).indices.clone()
+        b = plain.compress(0, n_plain).indices.clone()
+        assert int((a != b).sum()) <= 2  # a uniform within a rounding of its threshold, at most
+        avg_fixed = fixed.finish(0, fixed.codec.aggregate([a]), 1)
+        avg_plain = plain.finish(0, plain.codec.aggregate([b]), 1)
+        assert torch.allclose(avg_fixed, avg_plain, atol=0.05 if (a != b).any() else 1e-5)
+    assert torch.allclose(fixed.error_from_rotated(0, fixed.error(0), d), plain.error(0), atol=0.05)
+
+
+def test_fixed_rotation_with_caller_kept_error() -> None:
+    """With the fixed rotation a caller's error is rotated, of the padded length (a length-d one is refused,
+    saying so); compress overwrites it with x_rot - X_i, computed independently here in float64, and leaves
+    the rotated vector for another compress of the same step; residual() has nothing left to compute; a
+    refused finish keeps a worker's own error."""
+    d = 1000
+    w = THCWorker(THCConfig(error_feedback=False, rotation="fixed"), job=2, seed=5)
+    g = torch.randn(d, generator=torch.Generator().manual_seed(9))
+    with pytest.raises(ValueError, match="kept rotated, 1024 coordinates"):
+        w.begin(g, 0, 0, error=torch.zeros(d))
+    e = torch.full((1024,), 0.01)
+    n = w.begin(g, 0, 3, error=e)
+    rht = RandomizedHadamard(d, SignKey.derive(2, 0, 0), dtype=torch.float64)
+    x_rot = rht.forward(g.double()) + 0.01
+    assert n == pytest.approx(float(x_rot.norm()), rel=1e-6)
+    enc = w.compress(0, n)
+    first = e.clone()
+    assert torch.allclose(e.double(), x_rot - own_values_f64(w, enc.indices, enc.scale), atol=1e-5)
+    enc = w.compress(0, 2 * n)  # again: from x_rot, not from the residual
+    assert torch.allclose(e.double(), x_rot - own_values_f64(w, enc.indices, enc.scale), atol=1e-5)
+    assert not torch.equal(e, first)
+    assert w.residual(0, out=e) is e
+    with pytest.raises(ValueError, match="takes no x"):
+        w.residual(0, g, out=e)
+    copy = w.residual(0, out=torch.empty(1024))
+    assert torch.equal(copy, e)
+
+    own = THCWorker(THCConfig(rotation="fixed"), job=2, seed=5)
+    enc = own.compress(0, own.begin(g, 0, 0))
+    own.finish(0, own.codec.aggregate([enc.indices]), 1)
+    before = own.error(0).clone()
+    enc = own.compress(0, own.begin(g, 0, 1))
+    with pytest.raises(ValueError, match="sums outside"):
+        own.finish(0, own.codec.aggregate([enc.indices]) + 1000, 1)
+    assert torch.equal(own.error(0), before)
+
+
+def test_config_choices_are_checked() -> None:
+    """An unknown backend or rotation is refused by name, with the choices (it used to pass as auto)."""
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'torch', 'fht-cpu', got 'bogus'"):
+        THCConfig(backend="bogus")
+    with pytest.raises(ValueError, match="rotation must be one of 'per-step', 'fixed', got 'once'"):
+        THCConfig(rotation="once")
+
+
 def test_workers_share_signs_but_not_randomness():
     x = torch.randn(4096)
     a, b = THCWorker(THCConfig(), job=3, seed=1), THCWorker(THCConfig(), job=3, seed=2)
@@ -406,3 +498,15 @@ def test_misuse_is_refused_and_leaves_the_worker_usable() -> None:
     assert torch.equal(w.error(0), error)
     with pytest.raises(ValueError, match="scale must be finite"):
         w.codec.decode(sums, 1, math.nan, 100, SignKey.derive(1, 0, 0))
+    # what the aggregator would compute, from indices that could not have come from a worker
+    for rows, says in (([np.array([-1, 2], np.int64)], "outside the table's 0..15"),
+                       ([np.array([16, 2])], "outside the table's 0..15"),
+                       ([np.array([0.5, 2.0])], "indices must be integers, got float64"),
+                       ([np.zeros(3, np.uint8), np.zeros(4, np.uint8)], "one flat index vector per worker"),
+                       ([], "one flat index vector per worker")):
+        with pytest.raises(ValueError, match=says):
+            w.codec.aggregate(rows)
+    with pytest.raises(ValueError, match=r"step must be an integer in \[0, 2\^64\), got 1.5"):
+        w.begin(g, 0, 1.5)
+    with pytest.raises(ValueError, match="seed must be a non-negative integer or None, got -1"):
+        THCWorker(THCConfig(), job=1, seed=-1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import select
 import signal
@@ -78,10 +79,12 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return run_example(tmp_path_factory.mktemp("none"), "none")
 
 
-def test_thc_identical_every_step_and_loss_tracks_ddp(tmp_path: Path, baseline: dict) -> None:
+@pytest.mark.parametrize("rotation", ["per-step", "fixed"])
+def test_thc_identical_every_step_and_loss_tracks_ddp(tmp_path: Path, baseline: dict, rotation: str) -> None:
     """THC through a rank-0-started aggregator: bit-identical parameters on all ranks after every step,
-    and the loss falls like plain DDP's (within LOSS_TOLERANCE over STEPS steps)."""
-    s = run_example(tmp_path, "thc")
+    and the loss falls like plain DDP's (within LOSS_TOLERANCE over STEPS steps); with either rotation (the
+    fixed one keeps each bucket's error rotated, across the first iteration's rebuild)."""
+    s = run_example(tmp_path, "thc", "--rotation", rotation)
     assert s["identical_every_step"] == [True] * STEPS and s["identical"] is True
     hook = s["hook"][0]
     # Several buckets per step (bucket cap 10 kB) and the first-iteration layout was rebuilt: every bucket
@@ -302,6 +305,35 @@ def test_error_feedback_survives_bucket_rebuild(one_worker: OneWorkerJobs) -> No
         assert not torch.equal(st.error_of(p2), before[1])  # updated by the second step
 
 
+def test_fixed_rotation_error_feedback_survives_bucket_rebuild(one_worker: OneWorkerJobs) -> None:
+    """``rotation="fixed"``: a bucket's error is kept rotated (padded length); a rebuild that regroups the
+    parameters rotates each one's error back and into its new bucket, so nothing is lost but what the
+    padding carried; parameters of buckets the rebuild does not touch keep theirs rotated."""
+    p1, p2, p3, p4 = _params(500, 700, 300, 256, seed=1)
+    with one_worker.state("thc", rotation="fixed") as st:
+        st.submit(FakeBucket(0, [p1, p2], last=False)).wait()
+        st.submit(FakeBucket(1, [p3], last=False)).wait()
+        st.submit(FakeBucket(2, [p4], last=True)).wait()
+        kept = st.bucket_errors(0, (id(p1), id(p2)), [500, 700], torch.device("cpu"))
+        assert kept.shape == (2048,)  # rotated, padded
+        before = {i: st.error_of(p).clone() for i, p in enumerate((p1, p2, p3, p4))}
+        assert [e.numel() for e in before.values()] == [500, 700, 300, 256]
+        assert all(e.abs().sum() > 0 for e in before.values())
+        untouched = st.bucket_errors(2, (id(p4),), [256], torch.device("cpu"))
+        # the rebuild: bucket 0 holds p3 and p1, bucket 1 holds p2
+        flat = st.bucket_errors(0, (id(p3), id(p1)), [300, 500], torch.device("cpu"))
+        assert flat.shape == (1024,)
+        w = st._worker_for(torch.device("cpu"))
+        back = w.error_from_rotated(0, flat, 800)
+        assert torch.allclose(back, torch.cat([before[2], before[0]]), atol=1e-5)
+        assert torch.allclose(st.error_of(p2), before[1], atol=1e-5)  # waiting, unrotated, for its new bucket
+        assert st.bucket_errors(2, (id(p4),), [256], torch.device("cpu")) is untouched
+        st.submit(FakeBucket(0, [p3, p1], last=False)).wait()
+        st.submit(FakeBucket(1, [p2], last=True)).wait()  # bucket 2 is gone: p4's error waits, unrotated
+        assert torch.allclose(st.error_of(p4), before[3], atol=1e-5)
+        assert st.error_of(p2).numel() == 700 and not torch.allclose(st.error_of(p2), before[1], atol=1e-3)
+
+
 def test_error_feedback_can_be_disabled(one_worker: OneWorkerJobs) -> None:
     """error_feedback=False keeps no per-parameter error."""
     (p,) = _params(1000)
@@ -343,6 +375,15 @@ def test_config_validation_and_defaults() -> None:
         DDPHookConfig(more_aggregators=(("10.0.0.2", 70000),))
     with pytest.raises(ValueError):
         DDPHookConfig(JobConfig(bits=0))
+    # refused here, not when the hook registers (or, for a port given as text, inside the transport)
+    for kw, says in (({"timeout": 5.0}, r"timeout must be in \(0, 2.0\] seconds"),
+                     ({"aggregator": ("127.0.0.1", "9451")}, "port in 1..65535"),
+                     ({"seed": -1}, "seed must be a non-negative integer"),
+                     ({"deadline": math.nan}, "deadline must be positive and finite"),
+                     ({"retries": -2}, "retries must be a non-negative integer"),
+                     ({"rotation": "once"}, "rotation must be one of 'per-step', 'fixed'")):
+        with pytest.raises(ValueError, match=says):
+            DDPHookConfig(**kw)  # type: ignore[arg-type]
     job = JobConfig(workers=3)
     assert DDPHookConfig(JobConfig(workers=3)).job.table_id == job.table_id  # the hook's table is the aggregator's
     assert DDPHookConfig().job == JobConfig()  # by default, thc-aggregator's default job

@@ -232,8 +232,28 @@ def test_compiled_residual_pass_leaves_what_the_indices_fail_to_carry() -> None:
     fused.quantize_into(x.numpy(), *args, want_idx)
     looked_up = torch.index_select(q.values, 0, torch.from_numpy(want_idx).to(torch.int32))
     want = x - from_grid(looked_up, 1, -m, m, g)
+    own = (q.values.numpy(), np.float32(2 * m / g), np.float32(-m))
     got, idx = x.clone(), np.empty(x.numel(), np.uint8)
-    fused.quantize_residual_into(got.numpy(), *args, idx, q.values.numpy(), np.float32(2 * m / g), np.float32(-m))
+    fused.quantize_residual_into(got.numpy(), *args, idx, *own, got.numpy())  # in place
     assert np.array_equal(idx, want_idx)
     assert torch.equal(got, want)
     assert float(got.abs().max()) > 0  # 4-bit indices do leave something behind
+    # into a separate destination: x is left as it was (a fixed rotation quantizes it again if asked)
+    src, res, idx2 = x.clone(), torch.full_like(x, 7.0), np.empty(x.numel(), np.uint8)
+    fused.quantize_residual_into(src.numpy(), *args, idx2, *own, res.numpy())
+    assert np.array_equal(idx2, want_idx) and torch.equal(res, want) and torch.equal(src, x)
+
+
+def test_add_squares_adds_and_returns_the_squares() -> None:
+    """``add_squares_into``: x += e elementwise (float32) and the float64 sum of the new squares, over
+    whole words of 32 and a tail."""
+    from worker_lib.thc import fused
+
+    gen = torch.Generator().manual_seed(5)
+    for n in (1, 31, 32, 1000):
+        x, e = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+        want = x + e
+        got = x.clone()
+        ss = fused.add_squares_into(got.numpy(), e.numpy())
+        assert torch.equal(got, want)
+        assert ss == pytest.approx(float((want.double() ** 2).sum()), rel=1e-12)

@@ -75,7 +75,8 @@ def thc_allreduce(workers: Sequence[THCWorker], exchange: Exchange, grads: Seque
 
     ``errors``: caller-kept error feedback, one flat float32 tensor per worker, added to the gradient
     before the rotation and overwritten with x - RHT^-1(X_i) after quantization (the workers' own
-    error feedback should then be off). ``outs``: where each worker's average goes (float32 of the
+    error feedback should then be off); with ``THCConfig.rotation = "fixed"``, rotated and of the padded
+    length, overwritten by the quantization's own pass. ``outs``: where each worker's average goes (float32 of the
     gradient's length, decoded in place; may be the gradient itself), instead of new tensors.
     """
     t0 = time.perf_counter()
@@ -93,6 +94,9 @@ def thc_allreduce(workers: Sequence[THCWorker], exchange: Exchange, grads: Seque
         for w, e in zip(workers, errs, strict=True):
             w.residual(tensor, out=e)
 
+    if errors is not None and all(w.fixed for w in workers):
+        new_errors()  # written by compress already (a copy at most): nothing to run beside the exchange
+        errors = None
     with _Beside(None if errors is None else new_errors):
         results = exchange.exchange_indices(stacked, tensor=tensor)
     t4 = time.perf_counter()

@@ -16,7 +16,9 @@ Why it is built this way:
   submission order, so communication overlaps the rest of the backward pass as with NCCL/gloo.
 - **Error feedback keyed by parameter.** DDP rebuilds its buckets after the first iteration (and
   may again); the error of each parameter's coordinates is kept in a per-parameter view, so a
-  bucket whose parameter set changes starts from the errors its parameters carried before.
+  bucket whose parameter set changes starts from the errors its parameters carried before. With
+  ``rotation="fixed"`` a bucket's error is kept rotated (no inverse transform per step, see
+  ``worker_lib.thc.THCWorker``) and is rotated back into its parameters only when a rebuild moves them.
 - **Bit-identical replicas.** Every rank decodes the same integer sums with the same max norm and
   the same rotation, so the averages (and thus the parameters) agree bit for bit. With the
   ``zero-fill`` loss policy a chunk may be lost for one rank and not for another; replicas can then
@@ -55,7 +57,7 @@ import torch.distributed as dist
 from worker_lib.allreduce import TransportExchange, check_table, thc_allreduce
 from worker_lib.job import JobConfig
 from worker_lib.thc import THCConfig, THCWorker
-from worker_lib.thc.codec import warm_up
+from worker_lib.thc.codec import Rotation, warm_up
 from worker_lib.transport import (
     AggregatorStateError,
     AggregatorUnreachable,
@@ -65,6 +67,7 @@ from worker_lib.transport import (
     data_sums_type,
     run_nonce,
 )
+from worker_lib.values import is_integer
 
 log = logging.getLogger(__name__)
 
@@ -98,24 +101,32 @@ class DDPHookConfig:
     overlap: bool = True  #: exchange on a background thread (overlaps backward); False: inside the hook
     seed: int = 0  #: seeds the stochastic quantization (mixed with the rank)
     gro: bool = False  #: read answers that arrive as one run as one message (UDP_GRO; TransportConfig.gro)
+    #: the rotation's signs per step (the paper's) or fixed, with error feedback kept rotated (THCConfig.rotation)
+    rotation: Rotation = "per-step"
 
     def __post_init__(self) -> None:
         if self.job.kind not in ("thc", "uncompressed"):
             raise ValueError(f"the job's kind must be 'thc' or 'uncompressed' for the DDP hook, got {self.job.kind!r}")
         if self.loss_policy not in ("reliable", "zero-fill"):
             raise ValueError(f"loss_policy must be 'reliable' or 'zero-fill', got {self.loss_policy!r}")
-        for host, port in (self.aggregator, *self.more_aggregators):
-            if not host or not 0 < int(port) < 65536:
-                raise ValueError(f"an aggregator must be (host, port) with a port in 1..65535, got {(host, port)!r}")
-        if self.timeout <= 0 or self.deadline <= 0:
-            raise ValueError("timeout and deadline must be positive seconds")
+        for member in (self.aggregator, *self.more_aggregators):
+            if not (isinstance(member, (tuple, list)) and len(member) == 2 and isinstance(member[0], str) and member[0]
+                    and is_integer(member[1]) and 0 < member[1] < 65536):
+                raise ValueError(f"an aggregator must be (host, port) with a port in 1..65535, got {member!r}")
+        longest = TransportConfig.max_timeout
+        if not (isinstance(self.timeout, (int, float)) and 0 < self.timeout <= longest):
+            raise ValueError(f"timeout must be in (0, {longest}] seconds (the transport's longest), "
+                             f"got {self.timeout!r}")
         if self.job.kind == "thc":
-            self.thc_config()  # validates p with THC's own messages
+            self.thc_config()  # validates p and the rotation with THC's own messages
+        if not (is_integer(self.seed) and self.seed >= 0):
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        self.transport_config(0, self.job.workers)  # the rest (deadline, retries, window, ...) as the transport does
 
     def thc_config(self) -> THCConfig:
         """THC's codec settings, the job's (error feedback is done by the hook, per parameter)."""
         j = self.job
-        return THCConfig(bits=j.bits, granularity=j.granularity, p=j.p, error_feedback=False)
+        return THCConfig(bits=j.bits, granularity=j.granularity, p=j.p, error_feedback=False, rotation=self.rotation)
 
     def transport_config(self, rank: int, world_size: int) -> TransportConfig:
         """The transport of ``rank``; refuses a job whose worker count is not the world size."""
@@ -149,10 +160,13 @@ class HookStats:
 
 @dataclass
 class _BucketError:
-    """Error feedback of one bucket layout: one flat tensor and a view per parameter."""
+    """Error feedback of one bucket layout: one flat tensor and a view per parameter, or with the fixed
+    rotation the bucket's error rotated (padded length), of parameters of these sizes."""
 
     params: tuple[int, ...]
     flat: torch.Tensor
+    sizes: tuple[int, ...] = ()
+    rotated: bool = False
 
 
 @dataclass
@@ -255,8 +269,23 @@ class THCHookState:
                         caller_error=self.config.error_feedback)
 
     def error_of(self, param: torch.Tensor) -> torch.Tensor | None:
-        """The error feedback ``param``'s coordinates carry into the next step (flat; None before any)."""
-        return self._param_errors.get(id(param))
+        """The error feedback ``param``'s coordinates carry into the next step (flat; None before any). With
+        the fixed rotation it is rotated back from its bucket's error (a new tensor)."""
+        pid = id(param)
+        for index, be in self._bucket_errors.items():
+            if be.rotated and pid in be.params:
+                at = be.params.index(pid)
+                start = sum(be.sizes[:at])
+                back = self._worker_for(be.flat.device).error_from_rotated(index, be.flat, sum(be.sizes))
+                return back[start:start + be.sizes[at]]
+        return self._param_errors.get(pid)
+
+    def _unrotate(self, index: int) -> None:
+        """Move bucket ``index``'s rotated error back into its parameters' errors (a rebuild moves them)."""
+        be = self._bucket_errors.pop(index)
+        back = self._worker_for(be.flat.device).error_from_rotated(index, be.flat, sum(be.sizes))
+        for pid, part in zip(be.params, torch.split(back, list(be.sizes)), strict=True):
+            self._param_errors[pid] = part
 
     def bucket_errors(self, index: int, params: tuple[int, ...], sizes: list[int],
                       device: torch.device) -> torch.Tensor:
@@ -268,12 +297,24 @@ class THCHookState:
         be = self._bucket_errors.get(index)
         if be is not None and be.params == params and be.flat.device == device:
             return be.flat
+        if self.config.rotation == "fixed":  # buckets holding any of these parameters give their errors back
+            wanted = set(params)
+            holders = [i for i, b in self._bucket_errors.items()
+                       if b.rotated and (i == index or wanted & set(b.params))]
+            for i in holders:
+                self._unrotate(i)
         parts = [self._param_errors.get(pid) for pid in params]
         flat = torch.cat([torch.zeros(n, device=device) if e is None else e.to(device)
                           for e, n in zip(parts, sizes, strict=True)]) if params else torch.zeros(0, device=device)
         if be is not None:
             log.debug("rank %d: bucket %d changed its parameters; error feedback carried per parameter", self.rank,
                       index)
+        if self.config.rotation == "fixed":
+            for pid in params:
+                self._param_errors.pop(pid, None)  # held, rotated, in the bucket's error from now on
+            rotated = self._worker_for(device).error_to_rotated(index, flat)
+            self._bucket_errors[index] = _BucketError(params, rotated, tuple(sizes), rotated=True)
+            return rotated
         self._bucket_errors[index] = _BucketError(params, flat)
         for pid, view in zip(params, torch.split(flat, sizes), strict=True):
             self._param_errors[pid] = view
@@ -298,7 +339,10 @@ class THCHookState:
         if last:
             # Drop the errors of bucket indices that no longer exist (a rebuild into fewer buckets).
             for gone in [i for i in self._bucket_errors if i > index]:
-                del self._bucket_errors[gone]
+                if self._bucket_errors[gone].rotated:
+                    self._unrotate(gone)  # its parameters' errors, for the buckets that hold them now
+                else:
+                    del self._bucket_errors[gone]
 
     def _average_thc(self, flat: torch.Tensor, index: int, params: tuple[int, ...], sizes: list[int],
                      step: int) -> torch.Tensor:

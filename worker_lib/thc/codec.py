@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import numpy as np
 import torch
@@ -33,6 +34,11 @@ from worker_lib.values import is_integer
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
+#: How the rotation's signs change from step to step: the paper's fresh signs per (job, tensor, step), or one
+#: rotation per (job, tensor) for every step, which lets error feedback stay in the rotated domain (no
+#: inverse transform for it; see ``THCWorker``).
+Rotation = Literal["per-step", "fixed"]
+
 
 @dataclass(frozen=True)
 class THCConfig:
@@ -43,9 +49,14 @@ class THCConfig:
     p: float = 1 / 32
     error_feedback: bool = True
     backend: Backend = "auto"
+    rotation: Rotation = "per-step"
 
     def __post_init__(self) -> None:
         self.table()  # validates bits, granularity and p with clear messages
+        for name, value, allowed in (("backend", self.backend, get_args(Backend)),
+                                     ("rotation", self.rotation, get_args(Rotation))):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
     def table(self) -> LookupTable:
         """The optimal table T_{b,g,p} (cached)."""
@@ -153,6 +164,7 @@ class THCCodec:
         if self.device.type == "cpu":  # load (or compile) the CPU passes now, not inside the first step
             for residual in (False, True):
                 self._quantize_cpu(np.zeros(2, np.float32), 1.0, 0, np.empty(2, np.uint8), residual)
+            fused.add_squares_into(np.zeros(2, np.float32), np.zeros(2, np.float32))
 
     def buffers(self, d: int, key: SignKey) -> TensorBuffers:
         """New buffers for vectors of length d (for callers that keep one set per tensor)."""
@@ -187,23 +199,40 @@ class THCCodec:
         rotated, norm = buf.rht.forward_sum(a, b, x, out=buf.ws.rotated)
         return rotated, checked_norm(norm, x, name)
 
+    def add_rotated(self, rotated: torch.Tensor, error: torch.Tensor,
+                    name: str = "the gradient plus its error feedback") -> float:
+        """rotated += error (both of the padded length: error feedback kept in the rotated domain) and the
+        norm of the sum, refused as ``checked_norm`` refuses it; one compiled pass on the CPU."""
+        if (rotated.device.type == "cpu" and error.device == rotated.device and error.dtype == torch.float32
+                and rotated.is_contiguous() and error.is_contiguous()):
+            norm = math.sqrt(fused.add_squares_into(rotated.numpy(), error.numpy()))
+        else:
+            rotated.add_(error)
+            norm = float(torch.linalg.vector_norm(rotated, dtype=torch.float64))
+        return checked_norm(norm, rotated, name)
+
     def quantize_rotated(self, rotated: torch.Tensor, max_norm: float, length: int,
-                         buffers: TensorBuffers, *, residual: bool = False) -> Encoded:
+                         buffers: TensorBuffers, *, residual: bool = False,
+                         residual_into: torch.Tensor | None = None) -> Encoded:
         """Clamp, stochastically quantize and map to table indices an already rotated vector.
 
         With ``residual``, ``rotated`` is then overwritten with ``rotated - X_i``, what the indices fail to
         carry (``own_values``' X_i, then one float32 subtraction; on the CPU in the quantization's pass):
-        the error feedback's residual in the rotated domain, for ``THCWorker.residual``."""
+        the error feedback's residual in the rotated domain, for ``THCWorker.residual``. With
+        ``residual_into`` (as long as ``rotated``) it goes there instead and ``rotated`` is left as it was."""
         ws = buffers.ws
         big_m = self.scale(max_norm, rotated.numel())
-        if rotated.device.type == "cpu" and big_m > 0:  # one compiled pass (fused.py), the same arithmetic
-            self._quantize_cpu(rotated.numpy(), big_m, self.uniforms.next_key(), ws.indices.numpy(), residual)
+        dest = rotated if residual and residual_into is None else residual_into
+        if rotated.device.type == "cpu" and big_m > 0 and (dest is None or dest.is_contiguous()):
+            # one compiled pass (fused.py), the same arithmetic
+            self._quantize_cpu(rotated.numpy(), big_m, self.uniforms.next_key(), ws.indices.numpy(), dest is not None,
+                               None if dest is None else dest.numpy())
             return Encoded(ws.indices, big_m, length, self.table.bits, ws.packed)
         y = to_grid(rotated, -big_m, big_m, self.table.granularity, out=ws.grid)
         indices = self.quantizer.quantize(y, self.uniforms.fill(ws.uniforms), ws)
         enc = Encoded(indices, big_m, length, self.table.bits, ws.packed)
-        if residual:
-            rotated.sub_(self.own_values(enc, out=ws.grid))
+        if dest is not None:
+            torch.sub(rotated, self.own_values(enc, out=ws.grid), out=dest)
         return enc
 
     def encode(self, x: torch.Tensor, max_norm: float, key: SignKey,
@@ -214,22 +243,28 @@ class THCCodec:
         rotated = buf.rht.forward(flat, out=buf.ws.rotated)
         return self.quantize_rotated(rotated, max_norm, flat.numel(), buf)
 
-    def _quantize_cpu(self, x: np.ndarray, big_m: float, key: int, out: np.ndarray, residual: bool = False) -> None:
+    def _quantize_cpu(self, x: np.ndarray, big_m: float, key: int, out: np.ndarray, residual: bool = False,
+                      res: np.ndarray | None = None) -> None:
         """``fused.quantize_into`` over [-M, M] with this codec's table: the indices of x into ``out``; with
-        ``residual``, ``fused.quantize_residual_into`` (x becomes x - X_i, as ``own_values`` computes X_i)."""
+        ``residual``, ``fused.quantize_residual_into`` (``res``, x itself by default, becomes x - X_i, as
+        ``own_values`` computes X_i)."""
         g = self.table.granularity
         scale = g / (2 * big_m)  # as to_grid: x * scale + (-low) * scale, each rounded to float32
         q = self.quantizer
         args = (x, np.float32(scale), np.float32(big_m * scale), g, q.slope, q.offset, self.table.size - 1,
                 np.uint64(key), out)
         if residual:
-            fused.quantize_residual_into(*args, q.values.numpy(), *self._own_map(big_m))
+            fused.quantize_residual_into(*args, q.values.numpy(), *self._own_map(big_m), x if res is None else res)
         else:
             fused.quantize_into(*args)
 
     def aggregate(self, indices: Sequence[torch.Tensor | np.ndarray]) -> torch.Tensor:
         """What the aggregator computes: the integer sum of T[index] over workers (int64, on CPU)."""
-        stacked = np.stack([np.asarray(i.cpu() if isinstance(i, torch.Tensor) else i) for i in indices])
+        rows = [np.asarray(i.cpu() if isinstance(i, torch.Tensor) else i) for i in indices]
+        if not rows or len({r.shape for r in rows}) != 1 or rows[0].ndim != 1:
+            raise ValueError(f"aggregate takes one flat index vector per worker, all of one length; got shapes "
+                             f"{[r.shape for r in rows]}")
+        stacked = np.stack(rows)
         return torch.from_numpy(lookup_sum(self.table.as_array(), stacked))
 
     def rotated_estimate(self, sums: torch.Tensor, count: int | torch.Tensor, scale: float,
@@ -320,8 +355,12 @@ class THCCodec:
 @dataclass
 class _TensorState:
     buffers: TensorBuffers
-    x: torch.Tensor  # gradient + error feedback, float32
-    error: torch.Tensor  # error feedback carried to the next step
+    d: int  # the tensor's length
+    x: torch.Tensor  # per-step rotation: gradient + error feedback, float32 (unused with the fixed rotation)
+    #: error feedback carried to the next step: length d, or with the fixed rotation the padded length D, rotated
+    error: torch.Tensor
+    #: fixed rotation: where ``compress`` writes this step's residual x_rot - X_i (``finish`` makes it the error)
+    pending: torch.Tensor | None = None
     key: SignKey | None = None
     norm: float = 0.0
     shape: torch.Size = field(default_factory=torch.Size)
@@ -335,6 +374,8 @@ class _TensorState:
     #: the rotation's buffer holds this step's residual x_rot - X_i, not yet rotated back (``residual``
     #: consumes it; decoding reuses the buffer)
     rotated_residual: bool = False
+    #: fixed rotation: the error the caller passed to ``begin``, which ``compress`` overwrites with the residual
+    caller_error: torch.Tensor | None = None
 
 
 @dataclass
@@ -350,6 +391,13 @@ class THCWorker:
 
     Each tensor id keeps its own buffers and error feedback; a tensor whose length changes starts
     afresh (its error feedback is dropped).
+
+    With ``THCConfig.rotation = "fixed"`` every step of a tensor uses the same rotation R, so error feedback
+    can stay rotated: x_rot = R(g) + e_rot is quantized and e_rot' = x_rot - X_i is kept as it is, where the
+    per-step rotation computes e' = x - R_t^-1(X_i) with an inverse transform of its own. It is the same
+    error feedback, e_rot = R(e), for the padded vector: the residual in the padding's coordinates is carried
+    too (the per-step rotation drops it with the padding). Error feedback then lives in the padded length D
+    and rotated, in ``error`` and in what a caller passes as ``error``.
     """
 
     config: THCConfig
@@ -363,30 +411,71 @@ class THCWorker:
     def __post_init__(self) -> None:
         self.codec = THCCodec(self.config, device=self.device, seed=self.seed)
 
+    @property
+    def fixed(self) -> bool:
+        """Whether the rotation is fixed across steps (error feedback kept rotated, of the padded length)."""
+        return self.config.rotation == "fixed"
+
+    def key(self, tensor: int, step: int) -> SignKey:
+        """The rotation's sign key for a tensor at a step (the same for every step with the fixed rotation)."""
+        key = SignKey.derive(self.job, tensor, step)  # checks the ranges of all three
+        return SignKey.derive(self.job, tensor, 0) if self.fixed else key
+
     def error(self, tensor: int) -> torch.Tensor | None:
-        """The error feedback this tensor carries into its next step (None if there is none)."""
+        """The error feedback this tensor carries into its next step (None if there is none): length d, or
+        with the fixed rotation rotated and of the padded length (``error_from_rotated`` turns it back)."""
         st = self._tensors.get(tensor)
         return st.error if st is not None and st.has_error else None
+
+    def error_to_rotated(self, tensor: int, error: torch.Tensor) -> torch.Tensor:
+        """An error-feedback vector of the tensor's length d in the fixed rotation's domain (a new tensor of
+        the padded length): what a caller that kept it unrotated (a DDP bucket rebuilt) passes to ``begin``."""
+        flat = flat_float32(error, "error feedback").to(self.codec.device)
+        rht = RandomizedHadamard(flat.numel(), self.key(tensor, 0), device=self.codec.device,
+                                 backend=self.config.backend)
+        return rht.forward(flat)
+
+    def error_from_rotated(self, tensor: int, rotated: torch.Tensor, length: int) -> torch.Tensor:
+        """``error_to_rotated`` undone: the first ``length`` coordinates of the inverse rotation (the residual of
+        the padding's coordinates is dropped), as a new tensor."""
+        rht = RandomizedHadamard(length, self.key(tensor, 0), device=self.codec.device, backend=self.config.backend)
+        if rotated.shape != (rht.padded,):
+            raise ValueError(f"expected a rotated error of {rht.padded} coordinates for length {length}, got shape "
+                             f"{tuple(rotated.shape)}")
+        return rht.inverse(rotated.to(self.codec.device, torch.float32))
+
+    def _new_state(self, d: int, key: SignKey) -> _TensorState:
+        buffers = self.codec.buffers(d, key)
+        zeros = torch.zeros(buffers.rht.padded if self.fixed else d, dtype=torch.float32, device=self.codec.device)
+        if self.fixed:
+            return _TensorState(buffers, d, zeros[:0], zeros, pending=zeros.clone())
+        return _TensorState(buffers, d, zeros.clone(), zeros)
 
     def begin(self, grad: torch.Tensor, tensor: int, step: int, *, error: torch.Tensor | None = None) -> float:
         """Add error feedback, rotate, and return the norm to publish in the preliminary stage.
 
         ``error``: error feedback kept by the caller (the DDP hook keeps it per parameter), added to the
-        gradient here instead of this worker's own; ``residual`` then computes the next one.
+        gradient here instead of this worker's own; ``residual`` then computes the next one. With the fixed
+        rotation it is rotated and of the padded length, and ``compress`` overwrites it with the next one.
         """
         flat = flat_float32(grad)
-        key = SignKey.derive(self.job, tensor, step)
+        key = self.key(tensor, step)
         st = self._tensors.get(tensor)
-        if st is None or st.x.numel() != flat.numel():  # kept only once the gradient passed (below)
-            buffers = self.codec.buffers(flat.numel(), key)
-            zeros = torch.zeros(flat.numel(), dtype=torch.float32, device=self.codec.device)
-            st = _TensorState(buffers, zeros.clone(), zeros)
+        if st is None or st.d != flat.numel():  # kept only once the gradient passed (below)
+            st = self._new_state(flat.numel(), key)
         own = self.config.error_feedback and st.has_error
-        if error is not None and error.shape != (flat.numel(),):
+        want = st.error.numel()
+        if error is not None and error.shape != (want,):
             raise ValueError(f"the error feedback has shape {tuple(error.shape)}, the gradient {flat.numel()} "
-                             "coordinates")
+                             "coordinates" + (f": with the fixed rotation it is kept rotated, {want} coordinates "
+                                              "(the padded length)" if self.fixed else ""))
         try:
-            if error is None and not own:
+            if self.fixed:
+                norm = self.codec.rotate_norm(flat, key, st.buffers)[1]
+                add = error if error is not None else st.error if own else None
+                if add is not None:
+                    norm = self.codec.add_rotated(st.buffers.ws.rotated, add)
+            elif error is None and not own:
                 st.x.copy_(flat)
                 norm = self.codec.rotate_norm(st.x, key, st.buffers)[1]
             else:
@@ -402,6 +491,7 @@ class THCWorker:
         self._tensors[tensor] = st  # a tensor of a new length replaces its state (and error) only now
         st.key, st.shape, st.dtype, st.encoded, st.norm = key, grad.shape, grad.dtype, None, norm
         st.keeps_error, st.rotated_residual = error is not None, False
+        st.caller_error = error if self.fixed else None
         return st.norm
 
     def compress(self, tensor: int, max_norm: float) -> Encoded:
@@ -412,11 +502,15 @@ class THCWorker:
         """
         st = self._require(tensor)
         check_norm(max_norm, "max_norm")
+        rotated = st.buffers.ws.rotated
+        if self.fixed:  # the residual goes beside the rotated vector, which stays for another compress
+            into = st.caller_error if st.caller_error is not None else st.pending
+            st.encoded = self.codec.quantize_rotated(rotated, max_norm, st.d, st.buffers, residual_into=into)
+            return st.encoded
         if st.rotated_residual:  # quantized again in the same step: the buffer holds the last residual
             self.codec.rotate_norm(st.x, st.key, st.buffers)  # x_rot again, the same bits
             st.rotated_residual = False
-        st.encoded = self.codec.quantize_rotated(st.buffers.ws.rotated, max_norm, st.x.numel(), st.buffers,
-                                                 residual=st.keeps_error)
+        st.encoded = self.codec.quantize_rotated(rotated, max_norm, st.d, st.buffers, residual=st.keeps_error)
         st.rotated_residual = st.keeps_error
         return st.encoded
 
@@ -430,11 +524,21 @@ class THCWorker:
         inverse rotation, RHT^-1(RHT(x) - X_i): x - RHT^-1(X_i) up to the float32 rounding of the
         transform's round trip (about 1e-7 of x), two passes over memory fewer than the lookup of X_i, its
         inverse rotation and the subtraction, which run instead for an explicit ``x`` or a residual taken
-        already."""
+        already.
+
+        With the fixed rotation the error stays rotated: ``compress`` has written x_rot - X_i (padded length)
+        into the error passed to ``begin``, and this copies it into ``out`` unless ``out`` is that tensor."""
         st = self._require(tensor)
         if st.encoded is None:
             raise RuntimeError(f"tensor {tensor}: compress() must come before residual()")
         ws = st.buffers.ws
+        if self.fixed:
+            if x is not None:
+                raise ValueError("with the fixed rotation the error feedback stays rotated: residual() takes no x")
+            src = st.caller_error if st.caller_error is not None else st.pending
+            if out.shape != src.shape:
+                raise ValueError(f"out must have the padded length {src.numel()}, got shape {tuple(out.shape)}")
+            return out if out is src else out.copy_(src)
         if x is None and st.rotated_residual:
             st.rotated_residual = False  # transformed in place: consumed
             return st.buffers.rht.inverse_into(ws.rotated, out)
@@ -453,18 +557,21 @@ class THCWorker:
         st = self._require(tensor)
         if st.encoded is None:
             raise RuntimeError(f"tensor {tensor}: compress() must come before finish()")
-        if out is not None and (not isinstance(out, torch.Tensor) or out.numel() != st.x.numel()):
+        if out is not None and (not isinstance(out, torch.Tensor) or out.numel() != st.d):
             what = f"{out.numel()} elements" if isinstance(out, torch.Tensor) else type(out).__name__
-            raise ValueError(f"tensor {tensor}: out must be a torch tensor of {st.x.numel()} elements, got {what}")
+            raise ValueError(f"tensor {tensor}: out must be a torch tensor of {st.d} elements, got {what}")
         if isinstance(sums, np.ndarray):  # as the transport returns them (UseResults.sums)
             sums = torch.from_numpy(sums)
-        direct = (out is not None and out.dtype == st.dtype == torch.float32 and out.device == st.x.device
-                  and out.is_contiguous() and out.numel() == st.x.numel())  # decoded in place: no copy
+        direct = (out is not None and out.dtype == st.dtype == torch.float32 and out.device == st.error.device
+                  and out.is_contiguous() and out.numel() == st.d)  # decoded in place: no copy
         st.rotated_residual = False  # decoding goes through the rotation's buffer
-        avg = self.codec.decode(sums, count, st.encoded.scale, st.x.numel(), st.key, st.buffers, lost=lost,
+        avg = self.codec.decode(sums, count, st.encoded.scale, st.d, st.key, st.buffers, lost=lost,
                                 out=out.view(-1) if direct else None)
-        if self.config.error_feedback:  # only once the sums decoded: a refused step changes nothing
-            self.residual(tensor, out=st.error)
+        if self.config.error_feedback and st.caller_error is None:  # only once the sums decoded: a refused
+            if self.fixed:  # step changes nothing; compress wrote the new error beside the old
+                st.error, st.pending = st.pending, st.error
+            else:
+                self.residual(tensor, out=st.error)
             st.has_error = True
         st.key = None
         if direct:

@@ -83,19 +83,20 @@ def quantize_into(x: np.ndarray, scale: np.float32, shift: np.float32, granulari
     that no index needs numba's wrap-around of negative indices: with it, every lookup of the scalar
     second loop carried a sign test and a select of the base address (2.7 against 1.7 ms for 2^20)."""
     _quantize(x, scale, shift, granularity, slope, offset, top, key, out, False, _NO_VALUES, np.float32(0.0),
-              np.float32(0.0))
+              np.float32(0.0), x)
 
 
 @njit(cache=True, nogil=True)
 def quantize_residual_into(x: np.ndarray, scale: np.float32, shift: np.float32, granularity: int,
                            slope: np.ndarray, offset: np.ndarray, top: int, key: np.uint64, out: np.ndarray,
-                           values: np.ndarray, step: np.float32, low: np.float32) -> None:
-    """``quantize_into``, then x[i] -= float32(values[out[i]]) * step + low, block by block: x becomes what
-    its indices fail to carry in the rotated domain, x - X_i (``lookup_estimate_into``'s X_i, in its
-    arithmetic, then one float32 subtraction). The error feedback then needs only the inverse rotation of
-    x, not a pass that looks the indices up again and another that subtracts (``THCWorker.residual``);
-    the block is still in L1 when its residual is written."""
-    _quantize(x, scale, shift, granularity, slope, offset, top, key, out, True, values, step, low)
+                           values: np.ndarray, step: np.float32, low: np.float32, res: np.ndarray) -> None:
+    """``quantize_into``, then res[i] = x[i] - (float32(values[out[i]]) * step + low), block by block: what
+    the indices fail to carry in the rotated domain, x - X_i (``lookup_estimate_into``'s X_i, in its
+    arithmetic, then one float32 subtraction); ``res`` may be x itself. The error feedback then needs at most
+    the inverse rotation of the residual (none with a fixed rotation, whose error feedback stays rotated),
+    not a pass that looks the indices up again and another that subtracts (``THCWorker.residual``); the
+    block is still in L1 when its residual is written."""
+    _quantize(x, scale, shift, granularity, slope, offset, top, key, out, True, values, step, low, res)
 
 
 _NO_VALUES = np.zeros(1, np.int32)
@@ -104,8 +105,8 @@ _NO_VALUES = np.zeros(1, np.int32)
 @njit(cache=True, inline="always")
 def _quantize(x: np.ndarray, scale: np.float32, shift: np.float32, granularity: int, slope: np.ndarray,
               offset: np.ndarray, top: int, key: np.uint64, out: np.ndarray, residual: bool, values: np.ndarray,
-              step: np.float32, low: np.float32) -> None:
-    """The two passes above: the blocks' indices, and with ``residual`` each block's x - X_i."""
+              step: np.float32, low: np.float32, res: np.ndarray) -> None:
+    """The two passes above: the blocks' indices, and with ``residual`` each block's x - X_i into res."""
     g = np.float32(granularity)
     zero = np.float32(0.0)
     last, cap = np.int32(granularity - 1), np.int32(top)
@@ -114,7 +115,7 @@ def _quantize(x: np.ndarray, scale: np.float32, shift: np.float32, granularity: 
     us = np.empty(BLOCK, np.float32)
     for s in range(0, x.size, BLOCK):
         m = min(BLOCK, x.size - s)
-        xs, os = x[s:s + m], out[s:s + m]
+        xs, os, rs = x[s:s + m], out[s:s + m], res[s:s + m]
         for j in range(m):
             y = min(max(xs[j] * scale + shift, zero), g)
             ys[j] = y
@@ -133,7 +134,7 @@ def _quantize(x: np.ndarray, scale: np.float32, shift: np.float32, granularity: 
             os[j] = min(np.int32(ys[j] * slope[c] + offset[c] + us[j]), cap)
         if residual:
             for j in range(m):
-                xs[j] = xs[j] - (np.float32(values[os[j]]) * step + low)
+                rs[j] = xs[j] - (np.float32(values[os[j]]) * step + low)
 
 
 @njit(cache=True)
@@ -224,6 +225,27 @@ def sum_signs_pad_into(a: np.ndarray, b: np.ndarray, words: np.ndarray, c: np.fl
         ss += np.float64(v) * np.float64(v)
     for i in range(n, out.size):
         out[i] = np.float32(0.0)
+    return ss + acc.sum()
+
+
+@njit(cache=True, nogil=True)
+def add_squares_into(x: np.ndarray, e: np.ndarray) -> float:
+    """x[i] += e[i] and the sum of the new x's squares (float64, ``_SQUARES``) in one pass: a rotated
+    gradient plus error feedback kept in the rotated domain (``THCConfig.rotation = "fixed"``), and the
+    norm of what will be quantized."""
+    n = x.size
+    acc = np.zeros(32, np.float64)
+    for j in range(n // 32):
+        b = j * 32
+        for k in range(32):
+            v = x[b + k] + e[b + k]
+            x[b + k] = v
+            acc[k] += np.float64(v) * np.float64(v)
+    ss = 0.0
+    for i in range(n - n % 32, n):
+        v = x[i] + e[i]
+        x[i] = v
+        ss += np.float64(v) * np.float64(v)
     return ss + acc.sum()
 
 

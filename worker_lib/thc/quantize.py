@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from worker_lib.thc.table import LookupTable
+from worker_lib.values import is_integer
 from worker_lib.wire.bits import pack_whole_into, unpack_whole_into
 
 
@@ -20,6 +21,8 @@ class UniformSource:
     """Uniform [0, 1) float32 random numbers for stochastic rounding on one device."""
 
     def __init__(self, device: torch.device | str = "cpu", seed: int | None = None) -> None:
+        if seed is not None and not (is_integer(seed) and seed >= 0):
+            raise ValueError(f"the seed must be a non-negative integer or None, got {seed!r}")
         self.device = torch.device(device)
         if self.device.type == "cpu":
             self._np = np.random.default_rng(seed)
@@ -221,7 +224,9 @@ def lookup_sum(values: np.ndarray, indices: np.ndarray) -> np.ndarray:
     values = np.asarray(values)
     indices = np.asarray(indices)
     if indices.ndim != 2:
-        raise ValueError("indices must have shape (workers, coordinates)")
-    if indices.size and int(indices.max()) >= len(values):
-        raise ValueError("an index is outside the table")
+        raise ValueError("indices must have shape (workers, coordinates): one row per worker, rows of one length")
+    if indices.dtype.kind not in "iu":
+        raise ValueError(f"indices must be integers, got {indices.dtype}")
+    if indices.size and not 0 <= int(indices.min()) <= int(indices.max()) < len(values):
+        raise ValueError(f"an index is outside the table's 0..{len(values) - 1}")
     return values.astype(np.int64)[indices].sum(axis=0)

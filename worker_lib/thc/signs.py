@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from worker_lib.values import is_integer
+
 MASK32 = 0xFFFFFFFF
 MUL_A = 0x21F0AAAD
 MUL_B = 0x735A2D97
@@ -43,8 +45,9 @@ class SignKey:
     def derive(cls, job: int, tensor: int, step: int) -> SignKey:
         """Key for a job id (u32), a tensor id (u32) and a training step (u64)."""
         for name, value, bits in (("job", job, 32), ("tensor", tensor, 32), ("step", step, 64)):
-            if not 0 <= int(value) < (1 << bits):
+            if not (is_integer(value) and 0 <= int(value) < (1 << bits)):
                 raise ValueError(f"{name} must be an integer in [0, 2^{bits}), got {value!r}")
+        job, tensor, step = int(job), int(tensor), int(step)
         k = mix32_int(job ^ GOLDEN)
         k = mix32_int(k ^ tensor)
         k = mix32_int(k ^ (step & MASK32))
