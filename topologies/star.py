@@ -27,9 +27,9 @@ from pathlib import Path
 from aggregator.p4rt import SwitchError, ThcSwitch
 from topologies.bmv2 import Bmv2Config, Bmv2Switch, CompiledProgram, ToolMissing, compile_program, find_tool
 from topologies.nsstar import SERVICE_IP, SWITCH_MAC, NsStar, host_ip, host_mac
-from topologies.worker import MAX_CHUNKS, MAX_SEED, collect
+from topologies.worker import MAX_CHUNKS, collect
 from topologies.worker import check_results as check_sums
-from worker_lib.cli.args import int_in, log_level
+from worker_lib.cli.args import MAX_SEED, int_in, log_level
 from worker_lib.job import JobConfig, JobConfigError
 from worker_lib.wire.layout import THC_UDP_PORT
 

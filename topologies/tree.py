@@ -33,8 +33,8 @@ from pathlib import Path
 
 from aggregator.p4rt import SwitchError, ThcSwitch, Uplink
 from topologies.bmv2 import CompiledProgram, ToolMissing, compile_program, find_tool
-from topologies.worker import MAX_CHUNKS, MAX_SEED, check_results, collect
-from worker_lib.cli.args import int_in, log_level
+from topologies.worker import MAX_CHUNKS, check_results, collect
+from worker_lib.cli.args import MAX_SEED, int_in, log_level
 from worker_lib.job import JobConfig, JobConfigError
 from worker_lib.wire.layout import THC_UDP_PORT
 

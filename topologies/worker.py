@@ -22,18 +22,16 @@ from pathlib import Path
 
 import numpy as np
 
-from worker_lib.cli.args import comma_list, float_in, host_port, int_in
+from worker_lib.cli.args import MAX_SEED, comma_list, float_in, host_port, int_in
 from worker_lib.job import JobConfig, JobConfigError, parse_job_spec
 from worker_lib.transport import AggregatorStateError, AggregatorUnreachable, Transport, TransportConfig
 from worker_lib.wire.layout import THC_UDP_PORT
 
 log = logging.getLogger(__name__)
 
-#: Bounds of the topologies' --chunks and --seed (shared by topologies.star and topologies.tree, whose
-#: workers get them): a run of a million chunks already takes minutes through BMv2, and numpy's
-#: generator takes unsigned seeds.
+#: Bound of the topologies' --chunks (shared by topologies.star and topologies.tree, whose workers get it;
+#: their --seed takes worker_lib.cli.args.MAX_SEED): a run of a million chunks takes minutes through BMv2.
 MAX_CHUNKS = 1 << 20
-MAX_SEED = (1 << 32) - 1
 
 
 def worker_indices(seed: int, worker: int, chunks: int, elems: int, bits: int) -> np.ndarray:

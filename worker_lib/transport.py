@@ -62,7 +62,7 @@ from worker_lib.pacing import BURST_RUN, Pacer, extend_loss_runs
 from worker_lib.resend_timers import due_uses
 from worker_lib.result_intake import OWN_SHARE_PROBE, foreign_chunk, has_notice, take_results
 from worker_lib.udp_offload import GSO_BYTES, GSO_SEGMENTS, SOL_UDP, UDP_SEGMENT, gso_available
-from worker_lib.values import is_integer
+from worker_lib.values import FLOAT32_MAX, is_integer
 from worker_lib.wire.index_packets import index_packets, stamp_uses
 from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, PacketType, field_offsets
 from worker_lib.wire.pcap import PcapWriter
@@ -93,9 +93,6 @@ class AggregatorStateError(RuntimeError):
 
 
 _CHUNK_AT = field_offsets()["chunk"]  #: the header's chunk field (32 bits, big-endian)
-
-#: The largest finite float32: a norm travels as one.
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def check_tensor_id(tensor: int) -> None:

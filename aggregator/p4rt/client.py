@@ -11,6 +11,7 @@ Waiting for a switch polls its gRPC port (``wait_for_port``), never sleeps a fix
 
 from __future__ import annotations
 
+import argparse
 import logging
 import queue
 import socket
@@ -25,6 +26,7 @@ from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2, p4runtime_pb2_grpc
 
 from aggregator.switch.errors import NotPrimary, SwitchError, SwitchRejected, SwitchUnreachable
+from worker_lib.cli.args import host_port
 
 log = logging.getLogger(__name__)
 
@@ -113,14 +115,11 @@ class SwitchAddress:
         """``host:port``, ``port`` or ``unix:/path`` -> SwitchAddress."""
         if text.startswith("unix:"):
             return cls(device_id=device_id, election_id=election_id, unix_socket=text[len("unix:"):])
-        host, _, port = text.rpartition(":")
         try:
-            num = int(port)
-        except ValueError:
-            num = -1
-        if not 1 <= num <= 65535:
-            raise SwitchError(f"switch address must be host:port with a port in 1..65535, got {text!r}")
-        return cls(host or "127.0.0.1", num, device_id, election_id)
+            host, port = host_port(text if ":" in text else f":{text}")
+        except argparse.ArgumentTypeError:
+            raise SwitchError(f"switch address must be host:port with a port in 1..65535, got {text!r}") from None
+        return cls(host, port, device_id, election_id)
 
 
 class P4RuntimeClient:

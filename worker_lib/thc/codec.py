@@ -30,9 +30,7 @@ from worker_lib.thc.quantize import (
 )
 from worker_lib.thc.signs import SignKey
 from worker_lib.thc.table import LookupTable, solve_table, truncation_threshold, uniform_table
-from worker_lib.values import is_integer
-
-FLOAT32_MAX = float(np.finfo(np.float32).max)
+from worker_lib.values import FLOAT32_MAX, is_integer
 
 #: How the rotation's signs change from step to step: the paper's fresh signs per (job, tensor, step), or one
 #: rotation per (job, tensor) for every step, which lets error feedback stay in the rotated domain (no
