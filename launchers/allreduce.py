@@ -255,7 +255,10 @@ def run(args: argparse.Namespace) -> dict:
     preload = threading.Thread(target=lambda: [importlib.import_module(m) for m in WORKER_MODULES],
                                name="thc-preload", daemon=True)
     preload.start()
+    # joined on every exit: a daemon thread still importing torch when the interpreter shuts down after an
+    # early error prints "Exception in thread" under the one-line message
     with tempfile.TemporaryDirectory(prefix="thc-allreduce-") as tmp, contextlib.ExitStack() as stack:
+        stack.callback(preload.join)
         leaf_addresses = None
         if (args.parent_loss or args.leaf_engine) and not job.tiered:
             raise ValueError("--parent-loss and --leaf-engine are for two tiers (--leaves)")
