@@ -30,7 +30,7 @@ import numpy as np
 
 from benchmarks.ddp_netem import cpu_seconds
 from launchers.aggregator_process import die_with_parent, listening_port, stop_process
-from worker_lib.cli.args import int_in
+from worker_lib.cli.args import float_in, int_in
 from worker_lib.job import JobConfig
 from worker_lib.transport import Transport, TransportConfig
 
@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def worker(w: int, address: tuple[str, int], job: JobConfig, args: argparse.Namespace, go: Event,
            out: Queue) -> None:
     """One worker: warm up, say so, wait for ``go``, then time ``args.repeats`` exchanges."""
-    with Transport(TransportConfig(job, worker=w, aggregator=address, seed=w + 1)) as tr:
+    with Transport(TransportConfig(job, worker=w, aggregator=address, seed=w + 1, drop_up=args.loss,
+                                   drop_down=args.loss)) as tr:
         idx = np.random.default_rng(w).integers(0, 1 << job.bits, args.dim, dtype=np.uint8)
         for _ in range(args.warmup):
             tr.exchange_indices(idx)
@@ -53,7 +54,7 @@ def worker(w: int, address: tuple[str, int], job: JobConfig, args: argparse.Name
             tr.exchange_indices(idx)
             after = tr.stats.as_dict()
             rows.append({"wall_s": time.perf_counter() - t0, "cpu_s": time.thread_time() - c0,
-                         **{k: after[k] - before[k] for k in ("retransmissions", "receive_batches")}})
+                         **{k: after[k] - before[k] for k in ("retransmissions", "receive_batches", "tail_probes")}})
         out.put(("done", w, rows))
 
 
@@ -103,7 +104,7 @@ def measure(args: argparse.Namespace) -> dict:
         stop_process(agg)
     per_worker = [{k: statistics.median(r[k] for r in results[w]) for k in results[w][0]}
                   for w in sorted(results)]
-    return {"workers": args.workers, "dim": args.dim, "bits": args.bits, "elems": job.elems,
+    return {"workers": args.workers, "dim": args.dim, "bits": args.bits, "elems": job.elems, "loss": args.loss,
             "repeats": args.repeats, "per_worker": per_worker, "aggregator_cpu_s": agg_cpu / args.repeats}
 
 
@@ -119,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int_in(0, 1000), default=2, help="exchanges before timing, 0..1000 (default 2)")
     ap.add_argument("--timeout", type=int_in(1, 86400), default=600,
                     help="seconds to wait for the workers, 1..86400 (default 600)")
+    ap.add_argument("--loss", type=float_in(0, 0.5), default=0.0,
+                    help="share of the datagrams each worker drops in each direction (the transport's simulated "
+                         "loss), 0..0.5 (default 0): what recovering from loss costs the worker's CPU")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
     res = measure(args)
@@ -126,11 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res, indent=2))
         return 0
     print(f"{res['workers']} workers, {res['dim']:,} {res['bits']}-bit indices per exchange, K = {res['elems']}, "
-          f"median of {res['repeats']} exchanges")
-    print(f"{'worker':>6} {'wall ms':>8} {'cpu ms':>7} {'resent':>7} {'rx batches':>10}")
+          f"{res['loss']:.1%} loss each way, median of {res['repeats']} exchanges")
+    print(f"{'worker':>6} {'wall ms':>8} {'cpu ms':>7} {'resent':>7} {'probes':>7} {'rx batches':>10}")
     for w, r in enumerate(res["per_worker"]):
         print(f"{w:>6} {r['wall_s'] * 1e3:8.1f} {r['cpu_s'] * 1e3:7.1f} {r['retransmissions']:7.0f} "
-              f"{r['receive_batches']:10.0f}")
+              f"{r['tail_probes']:7.0f} {r['receive_batches']:10.0f}")
     print(f"aggregator CPU per exchange: {res['aggregator_cpu_s'] * 1e3:.1f} ms")
     return 0
 

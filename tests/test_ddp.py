@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.loss_phases import COUNTERS
 from launchers.aggregator_process import listening_port
-from worker_lib.ddp import DDPHookConfig, THCHookState
+from worker_lib.ddp import DDPHookConfig, THCHookState, settings_disagree
 from worker_lib.job import JobConfig
 from worker_lib.wire.pcap import read_pcap
 
@@ -389,6 +389,29 @@ def test_config_validation_and_defaults() -> None:
     # The job is described once: a world size that is not its worker count is refused, clearly.
     with pytest.raises(ValueError, match="job 1 has 4 workers but the world size is 3"):
         THCHookState(DDPHookConfig(), rank=0, world_size=3)
+
+
+def test_ranks_that_disagree_are_named_and_the_key_never_shown() -> None:
+    """register_thc_hook gathers every rank's shared settings: a rank with another rotation, loss policy or
+    job is named with the setting; a different key is said to differ without either key in the message,
+    nor in what the ranks send each other."""
+    base = DDPHookConfig(JobConfig(workers=2, key=0x5EC12E7))
+    same = base.shared_settings()
+    assert settings_disagree([same, DDPHookConfig(JobConfig(workers=2, key=0x5EC12E7)).shared_settings()]) is None
+    cases = ((DDPHookConfig(JobConfig(workers=2, key=0x5EC12E7), rotation="fixed"),
+              "disagree on rotation: rank 0 has 'per-step', rank 1 'fixed'"),
+             (DDPHookConfig(JobConfig(workers=2, key=0x5EC12E7), loss_policy="zero-fill"),
+              "disagree on loss_policy: rank 0 has 'reliable', rank 1 'zero-fill'"),
+             (DDPHookConfig(JobConfig(workers=2, key=0x5EC12E7, granularity=20)),
+              "disagree on the job's granularity (rank 0 has 30, rank 1 20)"),
+             (DDPHookConfig(JobConfig(workers=2, key=0x5EC12E8)), "disagree on the job's key (differs)"))
+    for other, says in cases:
+        said = settings_disagree([same, other.shared_settings()])
+        assert said is not None and says in said, said
+    for cfg in (base, cases[3][0]):
+        sent = repr(cfg.shared_settings())
+        assert str(cfg.job.key) not in sent and hex(cfg.job.key) not in sent
+    assert str(0x5EC12E8) not in str(settings_disagree([same, cases[3][0].shared_settings()]))
 
 
 def test_example_help_and_without_torchrun() -> None:

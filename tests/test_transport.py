@@ -890,6 +890,38 @@ def test_one_lost_use_does_not_stop_the_window(policy: str) -> None:
         assert tr.stats.tail_s >= 0.15  # use 0's fixed 0.2 s timeout ran out after the last first send
 
 
+@pytest.mark.parametrize("policy", ["reliable", "zero-fill"])
+def test_a_lost_last_use_is_probed_not_left_to_its_timeout(policy: str) -> None:
+    """The exchange's last datagram is lost: no later answer shows it to RACK. Reliable: once the answers
+    have stopped for the probe gap (a few ms here), a tail probe resends it, long before its 0.2 s
+    timeout. Zero-fill keeps its fixed timeout and probes nothing. Exact."""
+    cfg = JobConfig(workers=1, slots=16, elems=K)
+    sent: list[int] = []
+
+    class LastLost(Transport):  # datagram by datagram (gso=False), to drop the 16th
+        def _send(self, data: bytes, slot: int) -> None:
+            sent.append(slot)
+            if len(sent) != 16:
+                super()._send(data, slot)
+
+    idx = np.random.default_rng(8).integers(0, 16, 16 * K).astype(np.uint8)
+    with serving(cfg) as srv, LastLost(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv.port),
+                                                       loss_policy=policy, timeout=0.2, min_timeout=0.2,
+                                                       window=4, gso=False)) as tr:
+        t0 = time.monotonic()
+        res = tr.exchange_indices(idx)
+        wall = time.monotonic() - t0
+    assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
+    assert sent == [*range(16), 15], sent
+    assert tr.stats.retransmissions == 1
+    if policy == "reliable":
+        assert tr.stats.tail_probes == 1 and tr.stats.early_retransmissions == 0
+        assert wall < 0.12, wall
+    else:
+        assert tr.stats.tail_probes == 0
+        assert wall >= 0.15, wall
+
+
 @pytest.mark.skipif(not gso_available(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)),
                     reason="the kernel has no UDP_SEGMENT (udp(7), Linux 4.18+)")
 def test_resends_leave_as_runs_and_stay_exact() -> None:

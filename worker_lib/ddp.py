@@ -44,11 +44,12 @@ the baseline THC is measured against.
 """
 
 import concurrent.futures
+import hashlib
 import logging
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -72,7 +73,7 @@ from worker_lib.values import is_integer
 log = logging.getLogger(__name__)
 
 __all__ = ["AggregatorStateError", "AggregatorUnreachable", "DDPHookConfig", "HookStats", "THCHookState",
-           "register_thc_hook", "thc_hook"]
+           "register_thc_hook", "settings_disagree", "thc_hook"]
 
 _INT32_MAX = (1 << 31) - 1
 
@@ -123,6 +124,16 @@ class DDPHookConfig:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         self.transport_config(0, self.job.workers)  # the rest (deadline, retries, window, ...) as the transport does
 
+    def shared_settings(self) -> dict[str, object]:
+        """What every rank of a job must set alike (``register_thc_hook`` compares them across the ranks): a
+        rank with another rotation, error feedback, loss policy or job would decode or give up chunks
+        differently, and the replicas would part ways without an error. The job's key is compared as a
+        digest, never sent or shown as it is."""
+        job = {f.name: getattr(self.job, f.name) for f in fields(self.job) if f.compare and f.name != "key"}
+        job["key"] = hashlib.sha256(str(self.job.key).encode()).hexdigest()[:16]
+        return {"job": job, "loss_policy": self.loss_policy, "retries": self.retries,
+                "error_feedback": self.error_feedback, "rotation": self.rotation}
+
     def thc_config(self) -> THCConfig:
         """THC's codec settings, the job's (error feedback is done by the hook, per parameter)."""
         j = self.job
@@ -139,6 +150,26 @@ class DDPHookConfig:
                                shards=self.shards, loss_policy=self.loss_policy, timeout=self.timeout,
                                retries=self.retries, deadline=self.deadline, window=self.window, seed=self.seed,
                                bind_host=self.bind_host, multicast=self.job.multicast, gro=self.gro)
+
+
+def settings_disagree(per_rank: list[dict[str, object]]) -> str | None:
+    """One line naming the first setting in which a rank differs from rank 0 (``shared_settings``), or
+    None when all agree."""
+    first = per_rank[0]
+    for rank, other in enumerate(per_rank[1:], start=1):
+        for name, want in first.items():
+            have = other.get(name)
+            if name == "job" and isinstance(want, dict) and isinstance(have, dict):
+                diff = next((k for k in want if want[k] != have.get(k)), None)
+                if diff is None:
+                    continue
+                shown = "differs" if diff == "key" else f"rank 0 has {want[diff]!r}, rank {rank} {have.get(diff)!r}"
+                return (f"the ranks' DDPHookConfig disagree on the job's {diff} ({shown}): every rank must "
+                        f"give the same job")
+            if have != want:
+                return (f"the ranks' DDPHookConfig disagree on {name}: rank 0 has {want!r}, rank {rank} "
+                        f"{have!r}; every rank must use the same")
+    return None
 
 
 @dataclass
@@ -401,15 +432,21 @@ def register_thc_hook(model: torch.nn.parallel.DistributedDataParallel, config: 
 
     Before it returns, each device's THC worker is ready (``THCHookState.prepare``) and the ranks have made
     the run's first use (``Transport.open_run`` with a nonce of rank 0's): a job that an earlier run left
-    on the aggregator raises ``AggregatorStateError`` here, not a training on its state."""
+    on the aggregator raises ``AggregatorStateError`` here, not a training on its state. The ranks also
+    compare their ``DDPHookConfig.shared_settings``: a rank with another job, rotation, error feedback or
+    loss policy raises ValueError on every rank, naming the setting, instead of training replicas that
+    part ways."""
     state = THCHookState(config, process_group=process_group)
     try:
         state.prepare({p.device for p in model.parameters()})
-        # the run's first use, with a nonce of rank 0's: refuses an aggregator job that holds another run's state
-        nonce = [run_nonce() if state.rank == 0 else None]
-        dist.broadcast_object_list(nonce, src=0 if process_group is None else dist.get_global_rank(process_group, 0),
-                                   group=process_group)
-        state.transport.open_run(nonce[0])
+        # every rank's settings, and rank 0's nonce for the run's first use (which refuses an aggregator job
+        # that holds another run's state)
+        mine = (run_nonce() if state.rank == 0 else None, config.shared_settings())
+        gathered: list[tuple[float | None, dict[str, object]] | None] = [None] * state.world_size
+        dist.all_gather_object(gathered, mine, group=process_group)
+        if (problem := settings_disagree([g[1] for g in gathered if g is not None])) is not None:
+            raise ValueError(problem)
+        state.transport.open_run(gathered[0][0] if gathered[0] is not None else None)
     except BaseException:
         state.close()
         raise

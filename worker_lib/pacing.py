@@ -90,6 +90,17 @@ show in later answers (RACK) instead. The open uses then count as unheard since 
 oldest probes alone (``Transport._exchange``; ``test_a_peer_that_stalls_mid_exchange_costs_one_probe_per_timeout``).
 In DDP runs at 1 Gbit/s such a stall had resent a whole window of up to 512 uses in a third of the runs.
 
+Tail probes (RACK-TLP's probe, RFC 8985, on silence): RACK needs a later answer, so a loss among the
+last uses of an exchange used to wait for its timeout, and under load that timeout is long: the round
+trip of a use queued behind a window of answers on a 1 Gbit/s link, times ``RTO_FACTOR``. In DDP steps at
+1 Gbit/s with 1 % loss each way a quarter of the lossy steps waited 30-60 ms at their tail. Once every use
+of an exchange is sent, answers arrive back to back until the queue drains; when none has come for
+``probe_gap`` (twice the least round trip, at least ``PROBE_MIN_S``), the last ``PROBE_USES`` open uses
+that the path spoke after are resent. An answer to the probe then shows any earlier loss to RACK. A use
+is probed once per time the path speaks after its send; uses that nothing was heard after (a peer that
+has not sent yet, see "Probing") are left to the timers, so a late peer still costs one probe per
+timeout. Reliable mode only: zero-fill's workers keep to one fixed timeout.
+
 A transport under ``zero-fill`` builds its ``Pacer`` with both adaptations off: its workers must stay in
 step (a chunk one worker gave up must not complete for another), so the timeout stays ``timeout`` and
 the window ``max_window``.
@@ -122,6 +133,9 @@ SILENT_S = 0.25
 DEAD_BACKOFF = 6
 #: Consecutive uses (in send order) lost on their first send that make a burst (congestion, not random loss).
 BURST_RUN = 10
+#: Open uses a tail probe resends at most, the last sent; and the least silence before it, seconds.
+PROBE_USES = 8
+PROBE_MIN_S = 0.002
 
 
 def extend_loss_runs(runs: np.ndarray, fresh: np.ndarray, need: int = BURST_RUN) -> bool:
@@ -211,6 +225,13 @@ class Pacer:
         """How much later than an answered use sent after it an open use may still be answered before it
         is taken as lost (RACK's reordering window): a quarter of the least clean round trip seen."""
         return self.base_rtt / 4 if math.isfinite(self.base_rtt) else self.base_rto()
+
+    def probe_gap(self) -> float:
+        """How long the answers of an exchange whose uses are all sent may stop before its tail is probed
+        ("Tail probes" above): twice the least clean round trip, at least ``PROBE_MIN_S``, at most the
+        timeout."""
+        least = 2 * self.base_rtt if math.isfinite(self.base_rtt) else self.base_rto()
+        return min(self.base_rto(), max(PROBE_MIN_S, least))
 
     def burst_run(self) -> int:
         """Consecutive first-send losses that make a burst now: ``BURST_RUN``, or half the window if more

@@ -58,7 +58,7 @@ import numpy as np
 
 from worker_lib.batch_io import BatchSocket, sockaddr_to_tuple
 from worker_lib.job import JobConfig
-from worker_lib.pacing import BURST_RUN, Pacer, extend_loss_runs
+from worker_lib.pacing import BURST_RUN, PROBE_USES, Pacer, extend_loss_runs
 from worker_lib.resend_timers import due_uses
 from worker_lib.result_intake import OWN_SHARE_PROBE, foreign_chunk, has_notice, take_results
 from worker_lib.udp_offload import GSO_BYTES, GSO_SEGMENTS, SOL_UDP, UDP_SEGMENT, gso_available
@@ -78,6 +78,9 @@ Intake = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], 
 RX_BATCH = 64  #: datagrams read per recvmmsg
 
 LossPolicy = Literal["reliable", "zero-fill"]
+
+
+_NO_USES = np.zeros(0, np.int64)
 
 
 class AggregatorUnreachable(ConnectionError):
@@ -200,6 +203,8 @@ class TransportStats:
     send_blocked: int = 0  #: packets not sent because the send buffer stayed full for a timeout
     gso_sends: int = 0  #: system calls that sent a run of datagrams with UDP segmentation offload
     early_retransmissions: int = 0  #: uses resent because later ones were answered (RACK), not by timeout
+    #: uses resent by a tail probe: the last uses of an exchange, once the answers stopped (pacing.py)
+    tail_probes: int = 0
     #: seconds waited with room in the window but no free slot: every slot busy behind the oldest open
     #: use (more slots would have let the worker send on; ``--slots``)
     slot_bound_s: float = 0.0
@@ -287,9 +292,9 @@ class Transport:
                     for s in self.socks}
         self._dests = cfg.destinations
         self.pcap = PcapWriter(cfg.pcap) if cfg.pcap is not None else None
-        # Segmentation offload sends whole runs; the per-datagram paths (simulated loss, pcap, several
-        # shards' destinations) keep one datagram per call.
-        self.gso = cfg.gso and gso_available(self.sock) and not (cfg.drop_up or cfg.pcap or len(self._dests) > 1)
+        # Segmentation offload sends whole runs (the simulated loss takes its share of a run before it goes);
+        # the per-datagram paths (pcap, several shards' destinations) keep one datagram per call.
+        self.gso = cfg.gso and gso_available(self.sock) and not (cfg.pcap or len(self._dests) > 1)
         # zero-fill keeps a fixed timeout and window: its workers must stay in step (see pacing.py)
         adapt = cfg.loss_policy == "reliable"
         self.pacer = Pacer(timeout=cfg.timeout, min_timeout=min(cfg.min_timeout, cfg.timeout),
@@ -595,6 +600,24 @@ class Transport:
         # there, not at the send (pacing.py, "Probing"); until then only the oldest open use is timed.
         heard_since = np.full(count, math.inf)
 
+        probed_for = -math.inf  # last_answer when the tail was last probed, or found with nothing to probe
+
+        def tail_probe(base: int, now: float) -> tuple[np.ndarray, float]:
+            """The uses a tail probe resends now (pacing.py, "Tail probes"), and when one next may: once every
+            use is sent and nothing came for ``Pacer.probe_gap``, the last ``PROBE_USES`` open uses that the
+            path spoke after; one probe per time the path speaks. Array work only when one is due."""
+            nonlocal probed_for
+            if not early or nxt < count or last_answer == probed_for:
+                return _NO_USES, math.inf
+            at = last_answer + self.pacer.probe_gap()
+            if at > now:
+                return _NO_USES, at
+            open_ = np.flatnonzero(~done[base:nxt] & (heard_since[base:nxt] < math.inf))
+            if not open_.size:
+                probed_for = last_answer
+                return _NO_USES, math.inf
+            return open_[-PROBE_USES:] + base, at
+
         due_buf = np.empty(count, np.int64)
 
         def echoes(notice: np.void, datagrams: Iterable) -> bool:
@@ -747,15 +770,22 @@ class Transport:
                 all_sent = time.monotonic()
             # Resend or give up what is due (each resend backs that use's timeout off, see pacing.py).
             due, n_early, _ = deadlines(base, nxt, now)
-            if due.size:
+            probe = tail_probe(base, now)[0]
+            if due.size or probe.size:
                 # Answers that came while this thread did not run (descheduled on a busy core, or the GIL
                 # held by the training loop) wait in the socket: they are not losses. Take them first.
                 receive(self.socks)
                 due, n_early, _ = deadlines(base, nxt, now)
+                probe = tail_probe(base, now)[0]
             self.stats.early_retransmissions += n_early  # resent because later answers showed them lost
             if due.size and paced:
                 burst = extend_loss_runs(runs, due[tries[due] == 0], self.pacer.burst_run())
                 self.pacer.expired(now, int(due.size), burst=burst)
+            if probe.size:  # not expiries: they teach the pacer nothing
+                probed_for = last_answer
+                probe = np.setdiff1d(probe, due, assume_unique=True)
+                self.stats.tail_probes += int(probe.size)
+                due = np.union1d(due, probe)
             again = []  # uses of one datagram each, resent together as one run below
             for i in due.tolist():
                 if policy == "zero-fill" and tries[i] >= cfg.retries:
@@ -793,6 +823,7 @@ class Transport:
             if base >= count or room(base, nxt):
                 continue
             next_at = deadlines(base, nxt, now)[2]
+            next_at = min(next_at, tail_probe(base, now)[1])
             wait = max(0.0, next_at - now) if next_at < math.inf else 0.0
             waited = time.monotonic()
             ready, _, _ = select.select(self.socks, [], [], max(wait, 0.0005))
@@ -825,8 +856,9 @@ class Transport:
         rows, lens, srcs = bs.rx[:n], bs.rx_len[:n], bs.rx_addr[:n]
         if n and self.cfg.drop_down:
             keep = self._rng.random(n) >= self.cfg.drop_down
-            self.stats.dropped_down += n - int(np.count_nonzero(keep))
-            rows, lens, srcs = rows[keep], lens[keep], srcs[keep]
+            if not keep.all():  # the copies only where a datagram is dropped
+                self.stats.dropped_down += n - int(np.count_nonzero(keep))
+                rows, lens, srcs = rows[keep], lens[keep], srcs[keep]
         if self.pcap is not None:
             here = sock.getsockname()
             for k in range(len(rows)):
@@ -838,7 +870,14 @@ class Transport:
         ``GSO_SEGMENTS`` per system call with UDP_SEGMENT: the kernel cuts the run into the datagrams,
         one pass through the socket layer for all of them. A kernel or path that refuses it (an error
         other than a full buffer) turns segmentation off for this transport, with one log line, and
-        the run goes out datagram by datagram."""
+        the run goes out datagram by datagram. The simulated loss (``drop_up``) drops its share of the run
+        first, as it would drop them one by one: a lossy run still measures the sends a real one makes."""
+        if self.cfg.drop_up:
+            keep = self._rng.random(rows.shape[0]) >= self.cfg.drop_up
+            lost = rows.shape[0] - int(np.count_nonzero(keep))
+            self.stats.dropped_up += lost
+            self.stats.packets_sent += lost  # sent, and lost on the way
+            rows = rows[keep]
         length = rows.shape[1]
         per = max(1, min(GSO_SEGMENTS, GSO_BYTES // length))
         dest = self._dests[0]
@@ -846,7 +885,7 @@ class Transport:
         for start in range(0, rows.shape[0], per):
             run = rows[start:start + per]
             if run.shape[0] == 1:
-                self._send(run[0], 0)
+                self._send(run[0], 0, simulate_loss=False)
                 continue
             try:
                 try:
@@ -861,15 +900,16 @@ class Transport:
                             self.cfg.worker, exc)
                 self.gso = False
                 for row in rows[start:]:
-                    self._send(row, 0)
+                    self._send(row, 0, simulate_loss=False)
                 return
             self.stats.packets_sent += run.shape[0]
             self.stats.gso_sends += 1
 
-    def _send(self, data: bytes | np.ndarray, slot: int) -> None:
+    def _send(self, data: bytes | np.ndarray, slot: int, *, simulate_loss: bool = True) -> None:
+        """Send one datagram to the shard of ``slot`` (``simulate_loss`` False: ``drop_up`` has had its say)."""
         cfg = self.cfg
         self.stats.packets_sent += 1
-        if cfg.drop_up and self._rng.random() < cfg.drop_up:
+        if simulate_loss and cfg.drop_up and self._rng.random() < cfg.drop_up:
             self.stats.dropped_up += 1
             return
         dest = self._dests[slot % len(self._dests)]
