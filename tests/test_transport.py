@@ -854,6 +854,30 @@ def test_answers_waiting_in_the_socket_are_taken_before_resending() -> None:
     assert tr.stalled and tr.stats.retransmissions == resent, tr.stats.retransmissions - resent
 
 
+def exchange_losing(nth: int, policy: str, seed: int) -> tuple[list[int], Transport, float]:
+    """One worker exchanges 16 uses (window 4 of 16 slots, 0.2 s timeouts, datagram by datagram) and its
+    ``nth`` datagram (from 1) is lost; checks that the sums are exact; returns the slot of every datagram
+    it sent, the transport and the exchange's wall time."""
+    cfg = JobConfig(workers=1, slots=16, elems=K)
+    sent: list[int] = []
+
+    class Losing(Transport):  # datagram by datagram (gso=False), to drop the nth
+        def _send(self, data: bytes, slot: int) -> None:
+            sent.append(slot)
+            if len(sent) != nth:
+                super()._send(data, slot)
+
+    idx = np.random.default_rng(seed).integers(0, 16, 16 * K).astype(np.uint8)
+    with serving(cfg) as srv, Losing(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv.port),
+                                                     loss_policy=policy, timeout=0.2, min_timeout=0.2,
+                                                     window=4, gso=False)) as tr:
+        t0 = time.monotonic()
+        res = tr.exchange_indices(idx)
+        wall = time.monotonic() - t0
+    assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
+    return sent, tr, wall
+
+
 @pytest.mark.parametrize("policy", ["reliable", "zero-fill"])
 def test_one_lost_use_does_not_stop_the_window(policy: str) -> None:
     """Window 4 of 16 slots, and the very first datagram is lost: uses 1..15 still go out and are
@@ -861,23 +885,7 @@ def test_one_lost_use_does_not_stop_the_window(policy: str) -> None:
     have stopped at use 3). Reliable: use 0, sent before answered uses, is resent as soon as those
     answers show it lost (RACK), long before its 0.2 s timeout, hence before use 15 is sent (at most a
     window of new uses goes out per pass). Zero-fill keeps its fixed timeout: use 0 is resent last."""
-    cfg = JobConfig(workers=1, slots=16, elems=K)
-    sent: list[int] = []
-
-    class FirstLost(Transport):  # datagram by datagram (gso=False), to drop the first
-        def _send(self, data: bytes, slot: int) -> None:
-            sent.append(slot)
-            if len(sent) > 1:
-                super()._send(data, slot)
-
-    idx = np.random.default_rng(5).integers(0, 16, 16 * K).astype(np.uint8)
-    with serving(cfg) as srv, FirstLost(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv.port),
-                                                        loss_policy=policy, timeout=0.2, min_timeout=0.2,
-                                                        window=4, gso=False)) as tr:
-        t0 = time.monotonic()
-        res = tr.exchange_indices(idx)
-        wall = time.monotonic() - t0
-    assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
+    sent, tr, wall = exchange_losing(1, policy, seed=5)
     assert sorted(sent) == sorted([*range(16), 0]), sent
     resend_at = sent.index(0, 1)
     assert 0 < tr.stats.tail_s <= wall  # after use 15 went out, the exchange waited for answers
@@ -895,23 +903,7 @@ def test_a_lost_last_use_is_probed_not_left_to_its_timeout(policy: str) -> None:
     """The exchange's last datagram is lost: no later answer shows it to RACK. Reliable: once the answers
     have stopped for the probe gap (a few ms here), a tail probe resends it, long before its 0.2 s
     timeout. Zero-fill keeps its fixed timeout and probes nothing. Exact."""
-    cfg = JobConfig(workers=1, slots=16, elems=K)
-    sent: list[int] = []
-
-    class LastLost(Transport):  # datagram by datagram (gso=False), to drop the 16th
-        def _send(self, data: bytes, slot: int) -> None:
-            sent.append(slot)
-            if len(sent) != 16:
-                super()._send(data, slot)
-
-    idx = np.random.default_rng(8).integers(0, 16, 16 * K).astype(np.uint8)
-    with serving(cfg) as srv, LastLost(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv.port),
-                                                       loss_policy=policy, timeout=0.2, min_timeout=0.2,
-                                                       window=4, gso=False)) as tr:
-        t0 = time.monotonic()
-        res = tr.exchange_indices(idx)
-        wall = time.monotonic() - t0
-    assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
+    sent, tr, wall = exchange_losing(16, policy, seed=8)
     assert sent == [*range(16), 15], sent
     assert tr.stats.retransmissions == 1
     if policy == "reliable":

@@ -131,7 +131,8 @@ class DDPHookConfig:
         digest, never sent or shown as it is."""
         job = {f.name: getattr(self.job, f.name) for f in fields(self.job) if f.compare and f.name != "key"}
         job["key"] = hashlib.sha256(str(self.job.key).encode()).hexdigest()[:16]
-        return {"job": job, "loss_policy": self.loss_policy, "retries": self.retries,
+        return {"job": job, "loss_policy": self.loss_policy,
+                "retries": self.retries if self.loss_policy == "zero-fill" else None,  # zero-fill's alone
                 "error_feedback": self.error_feedback, "rotation": self.rotation}
 
     def thc_config(self) -> THCConfig:
