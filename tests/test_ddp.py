@@ -79,10 +79,16 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return run_example(tmp_path_factory.mktemp("none"), "none")
 
 
-def test_thc_identical_every_step_and_loss_tracks_ddp(tmp_path: Path, baseline: dict) -> None:
+@pytest.fixture(scope="module")
+def thc_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The same with THC through a rank-0-started aggregator (one tier), for the tests that read it."""
+    return run_example(tmp_path_factory.mktemp("thc"), "thc")
+
+
+def test_thc_identical_every_step_and_loss_tracks_ddp(thc_run: dict, baseline: dict) -> None:
     """THC through a rank-0-started aggregator: bit-identical parameters on all ranks after every step,
     and the loss falls like plain DDP's (within LOSS_TOLERANCE over STEPS steps)."""
-    s = run_example(tmp_path, "thc")
+    s = thc_run
     assert s["identical_every_step"] == [True] * STEPS and s["identical"] is True
     hook = s["hook"][0]
     # Several buckets per step (bucket cap 10 kB) and the first-iteration layout was rebuilt: every bucket
@@ -173,12 +179,12 @@ def test_two_aggregators_serve_one_job(tmp_path: Path) -> None:
     assert all(len(list(read_pcap(p))) > 20 for p in pcaps)
 
 
-def test_two_tiers_train_bit_identically(tmp_path: Path) -> None:
+def test_two_tiers_train_bit_identically(tmp_path: Path, thc_run: dict) -> None:
     """--leaves 1:1: rank 0 starts a spine and two leaves (thc-aggregator --role spine / leaf), each rank
     talks to its own leaf; training stays bit-identical on both ranks and its loss tracks one tier's
     (the sums are the same, so the models are)."""
     two = run_example(tmp_path, "thc", "--leaves", "1:1")
-    one = run_example(tmp_path, "thc")
+    one = thc_run
     assert two["identical"] and two["losses"] == one["losses"], (two["losses"][-3:], one["losses"][-3:])
 
 
