@@ -874,10 +874,11 @@ class Transport:
         first, as it would drop them one by one: a lossy run still measures the sends a real one makes."""
         if self.cfg.drop_up:
             keep = self._rng.random(rows.shape[0]) >= self.cfg.drop_up
-            lost = rows.shape[0] - int(np.count_nonzero(keep))
-            self.stats.dropped_up += lost
-            self.stats.packets_sent += lost  # sent, and lost on the way
-            rows = rows[keep]
+            if not keep.all():  # the copy only where a datagram is dropped
+                lost = rows.shape[0] - int(np.count_nonzero(keep))
+                self.stats.dropped_up += lost
+                self.stats.packets_sent += lost  # sent, and lost on the way
+                rows = rows[keep]
         length = rows.shape[1]
         per = max(1, min(GSO_SEGMENTS, GSO_BYTES // length))
         dest = self._dests[0]
