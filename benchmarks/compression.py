@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from worker_lib.cli.args import FLOAT_DTYPES, int_in
+from worker_lib.cli.args import FLOAT_DTYPES, ROTATIONS, int_in
 from worker_lib.thc import THCCodec, THCConfig, THCWorker
 from worker_lib.thc.hadamard import have_fht_cpu, next_pow2
 from worker_lib.thc.quantize import unpack_indices
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hook", action="store_true",
                         help="one worker's codec work per step as the DDP hook does it (error feedback kept by "
                              "the hook, averages decoded into the bucket), phase by phase")
-    parser.add_argument("--rotation", choices=("per-step", "fixed"), default="per-step",
+    parser.add_argument("--rotation", choices=ROTATIONS, default="per-step",
                         help="with --hook: THC's rotation, new signs every step or fixed (error feedback kept rotated)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)

@@ -47,7 +47,7 @@ from pathlib import Path
 from benchmarks.loss_phases import LossPhases, compare_phases
 from topologies.netem import ExitOnSignals, NetemConfig, NetemError, Topology, require_root
 from topologies.netem.ddp import run_training, start_aggregator
-from worker_lib.cli.args import comma_list, float_in, int_in
+from worker_lib.cli.args import ROTATIONS, comma_list, float_in, int_in
 from worker_lib.job import IP_UDP_OVERHEAD, JobConfig, JobConfigError
 from worker_lib.wire.layout import HEADER_BYTES
 
@@ -375,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-features", type=int_in(1, 1 << 16), default=32, help="input features, 1..65536")
     p.add_argument("--batch-size", type=int_in(1, 1 << 16), default=32, help="samples per rank and step, 1..65536")
     p.add_argument("--qdisc", choices=("tbf", "htb"), default="tbf")
-    p.add_argument("--rotation", choices=("per-step", "fixed"), default="per-step",
+    p.add_argument("--rotation", choices=ROTATIONS, default="per-step",
                    help="THC's rotation (examples/train_ddp.py --rotation): new signs every step, or fixed with "
                         "the error feedback kept rotated")
     p.add_argument("--mtu", type=int_in(68, 65535), default=1500,

@@ -262,6 +262,14 @@ def test_config_choices_are_checked() -> None:
         THCConfig(backend="bogus")
     with pytest.raises(ValueError, match="rotation must be one of 'per-step', 'fixed', got 'once'"):
         THCConfig(rotation="once")
+    # the command lines' --rotation choices (kept free of torch) are the codec's, each accepted
+    from typing import get_args
+
+    from worker_lib.cli.args import ROTATIONS
+    from worker_lib.thc.codec import Rotation
+
+    assert ROTATIONS == get_args(Rotation)
+    assert all(THCConfig(rotation=r).rotation == r for r in ROTATIONS)
 
 
 def test_workers_share_signs_but_not_randomness():

@@ -306,17 +306,18 @@ class THCHookState:
         pid = id(param)
         for index, be in self._bucket_errors.items():
             if be.rotated and pid in be.params:
-                at = be.params.index(pid)
-                start = sum(be.sizes[:at])
-                back = self._worker_for(be.flat.device).error_from_rotated(index, be.flat, sum(be.sizes))
-                return back[start:start + be.sizes[at]]
+                return self._rotated_back(index, be)[be.params.index(pid)]
         return self._param_errors.get(pid)
+
+    def _rotated_back(self, index: int, be: _BucketError) -> tuple[torch.Tensor, ...]:
+        """Bucket ``index``'s rotated error rotated back and split into its parameters' errors."""
+        back = self._worker_for(be.flat.device).error_from_rotated(index, be.flat, sum(be.sizes))
+        return torch.split(back, list(be.sizes))
 
     def _unrotate(self, index: int) -> None:
         """Move bucket ``index``'s rotated error back into its parameters' errors (a rebuild moves them)."""
         be = self._bucket_errors.pop(index)
-        back = self._worker_for(be.flat.device).error_from_rotated(index, be.flat, sum(be.sizes))
-        for pid, part in zip(be.params, torch.split(back, list(be.sizes)), strict=True):
+        for pid, part in zip(be.params, self._rotated_back(index, be), strict=True):
             self._param_errors[pid] = part
 
     def bucket_errors(self, index: int, params: tuple[int, ...], sizes: list[int],

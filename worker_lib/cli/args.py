@@ -13,6 +13,9 @@ T = TypeVar("T")
 #: The floating-point types a gradient may have on the command lines (``--dtype``), by torch's names: the
 #: torch type is ``getattr(torch, name)`` (this module stays free of torch, which the light CLIs skip).
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+#: THC's rotations on the command lines (``--rotation``): ``worker_lib.thc.codec.Rotation``'s values, here
+#: for the same reason.
+ROTATIONS = ("per-step", "fixed")
 
 
 #: The longest vector the benchmark commands (``thc-bench``) take, and the most worker-coordinates of one
