@@ -233,10 +233,10 @@ def report(rows: list[dict]) -> None:
               f"{r['identical']}")
     print("(ms per step; 'x gloo' = step time / gloo's on the same links (same rate, loss and repeat); fwd/bwd "
           "from the training loop, backward includes waiting for the exchange; encode/network/decode: the hook's "
-          "thread; agg cpu: aggregator CPU time per step; wrk cpu: rank 0's process CPU time per step (all its "
-          "threads); link up: one worker's DATA payload at the link rate; link dn: the results on the "
-          "aggregator's link at that rate (n copies by unicast, one by multicast): the step's wire floor is the "
-          "larger of the two. gloo's traffic is not counted.)")
+          "thread (THC quantizes beside its data exchange: in network); agg cpu: aggregator CPU time per step; "
+          "wrk cpu: rank 0's process CPU time per step (all its threads); link up: one worker's DATA payload at "
+          "the link rate; link dn: the results on the aggregator's link at that rate (n copies by unicast, one by "
+          "multicast): the step's wire floor is the larger of the two. gloo's traffic is not counted.)")
     ratio_report(rows)
     loss_report(rows)
 

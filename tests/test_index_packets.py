@@ -14,7 +14,7 @@ from tests.test_codecs_bits import reference_pack
 from worker_lib.job import JobConfig
 from worker_lib.transport import Transport, TransportConfig
 from worker_lib.wire.bits import pack_padded_rows
-from worker_lib.wire.index_packets import index_packets, stamp_uses
+from worker_lib.wire.index_packets import IndexPacker, index_packets, stamp_uses
 from worker_lib.wire.layout import HEADER_BYTES, PacketType
 from worker_lib.wire.protocol import Header
 from worker_lib.wire.serializer import build_batch
@@ -73,3 +73,26 @@ def test_a_refused_tensor_spends_no_use_of_the_pool() -> None:
         with tr, pytest.raises(ValueError, match="outside"):
             tr.exchange_indices(np.full(3 * job.elems, 16, np.uint8))
         assert tr.next_use == 0 and tr.slot_round == [0] * 4
+
+
+def test_rows_packed_a_range_at_a_time_are_index_packets_rows() -> None:
+    """``IndexPacker``: rows packed in ranges, in any order, are ``index_packets``' rows byte for byte (chunk
+    numbers, the tensor's partial last chunk); an index of 2^b or more in a range raises index_packets'
+    error for that range, and a range whose indices are in range packs whatever lies beyond it."""
+    elems, width = 24, 4
+    fields = np.random.default_rng(3).integers(0, 16, 10 * elems + 7, dtype=np.uint8)
+    header = {**HEADER, "elems": elems, "width": width}
+    packer = IndexPacker(header, width, elems, fields.size)
+    assert packer.rows == 11
+    for start, stop in [(4, 11), (0, 1), (1, 4), (2, 2)]:
+        packer.pack(fields, start, stop)
+    assert np.array_equal(packer.packets, index_packets(header, fields, width, elems))
+    bad = fields.copy()
+    bad[5 * elems + 1] = 16
+    with pytest.raises(ValueError) as want:
+        index_packets(header, bad, width, elems)
+    with pytest.raises(ValueError) as got:
+        packer.pack(bad, 5, 6)
+    assert str(got.value) == str(want.value)
+    packer.pack(bad, 0, 5)  # the bad index lies beyond these rows
+    assert np.array_equal(packer.packets[:5], index_packets(header, fields, width, elems)[:5])

@@ -1,5 +1,7 @@
 """Stochastic quantization onto table values, index packing, and the aggregator's sum."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -242,6 +244,36 @@ def test_compiled_residual_pass_leaves_what_the_indices_fail_to_carry() -> None:
     src, res, idx2 = x.clone(), torch.full_like(x, 7.0), np.empty(x.numel(), np.uint8)
     fused.quantize_residual_into(src.numpy(), *args, idx2, *own, res.numpy())
     assert np.array_equal(idx2, want_idx) and torch.equal(res, want) and torch.equal(src, x)
+
+
+def test_quantizing_in_pieces_gives_the_bits_of_one_pass() -> None:
+    """A vector quantized piece by piece (``first``: where each piece starts, a multiple of BLOCK; the last
+    piece partial) gets the indices and residuals of one pass over it, each piece taking the uniforms of its
+    own positions; a piece that starts off a block boundary is refused."""
+    from worker_lib.thc import fused
+
+    table = solve_table(4, 30, 1 / 32)
+    q = TableQuantizer(table)
+    n = 5 * fused.BLOCK + 333
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(5)) * 2).numpy()
+    m, g, key = 3.0, 30, np.uint64(0x1234_5678_9ABC_DEF0)
+    args = (np.float32(g / (2 * m)), np.float32(m * g / (2 * m)), g, q.slope, q.offset, table.size - 1, key)
+    own = (q.values.numpy(), np.float32(2 * m / g), np.float32(-m))
+    want_idx, want_res = np.empty(n, np.uint8), np.empty(n, np.float32)
+    fused.quantize_residual_into(x, *args, want_idx, *own, want_res)
+    idx, res, idx2 = np.full(n, 99, np.uint8), np.full(n, np.nan, np.float32), np.full(n, 99, np.uint8)
+    bounds = [0, fused.BLOCK, 3 * fused.BLOCK, 5 * fused.BLOCK, n]
+    for a, b in itertools.pairwise(bounds):
+        fused.quantize_residual_into(x[a:b], *args, idx[a:b], *own, res[a:b], a)
+        fused.quantize_into(x[a:b], *args, idx2[a:b], a)
+    assert np.array_equal(idx, want_idx) and np.array_equal(idx2, want_idx)
+    assert np.array_equal(res, want_res)
+    # the positions matter: the same piece quantized as if it started the vector draws other uniforms
+    alone = np.empty(n - fused.BLOCK, np.uint8)
+    fused.quantize_into(x[fused.BLOCK:], *args, alone)
+    assert not np.array_equal(alone, want_idx[fused.BLOCK:])
+    with pytest.raises(ValueError, match="multiple of BLOCK"):
+        fused.quantize_into(x[5:], *args, idx[5:], 5)
 
 
 def test_add_squares_adds_and_returns_the_squares() -> None:

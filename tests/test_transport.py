@@ -24,7 +24,7 @@ from launchers.aggregator_process import local_aggregator
 from tests.transport_support import opened_runs
 from worker_lib.allreduce import THCAllreduce
 from worker_lib.job import JobConfig
-from worker_lib.thc import SignKey, THCCodec, THCConfig, lookup_sum
+from worker_lib.thc import SignKey, THCCodec, THCConfig, THCWorker, lookup_sum
 from worker_lib.transport import (
     AggregatorStateError,
     AggregatorUnreachable,
@@ -468,9 +468,14 @@ def test_malformed_traffic_interleaved_leaves_result_intact() -> None:
     assert counters[Counter.BAD_KEY] > 0 and counters[Counter.BAD_WORKER] > 0 and counters[Counter.BAD_FORMAT] > 0
 
 
-def test_thc_allreduce_decodes_like_the_codec() -> None:
+def test_thc_allreduce_decodes_like_the_codec(monkeypatch: pytest.MonkeyPatch) -> None:
     """THCAllreduce's average equals the in-process codec's decode of lookup_sum over all workers'
-    indices, and its error is THC's (NMSE well below 1 and equal on every worker)."""
+    indices, and its error is THC's (NMSE well below 1 and equal on every worker). Its indices, quantized in
+    pieces of one block beside the exchange, are those of one ``compress``."""
+    import worker_lib.allreduce
+
+    monkeypatch.setattr(worker_lib.allreduce, "FIRST_PIECE", 1024)
+    monkeypatch.setattr(worker_lib.allreduce, "PIECE", 1024)
     cfg = JobConfig(workers=3, slots=16, elems=K)
     d = 3000
     grads = [torch.randn(d, generator=torch.Generator().manual_seed(w)) for w in range(3)]
@@ -486,6 +491,10 @@ def test_thc_allreduce_decodes_like_the_codec() -> None:
             t.join(timeout=60)
         for a in ars:
             a.transport.close()
+    for w in range(3):
+        alone = THCWorker(THCConfig(), job=cfg.job, worker=w, seed=w)
+        alone.begin(grads[w], 2, 5)
+        assert np.array_equal(alone.compress(2, out[w].max_norm).indices.numpy(), out[w].indices)
     codec = THCCodec(THCConfig())
     padded = out[0].indices.size
     sums = torch.from_numpy(lookup_sum(cfg.values(), np.stack([o.indices for o in out])))
@@ -497,6 +506,61 @@ def test_thc_allreduce_decodes_like_the_codec() -> None:
     assert out[0].max_norm == pytest.approx(max(float(g.norm()) for g in grads), rel=1e-6)
     nmse = float(((out[0].average - true) ** 2).sum() / (true ** 2).sum())
     assert 0 < nmse < 0.2
+
+
+def test_indices_sent_while_they_are_computed_get_the_same_sums() -> None:
+    """``exchange_indices(fill=...)``: indices written piece by piece on the feed's thread (piece ends off the
+    chunk boundaries, a pause before each, so that the engine runs out of datagrams and waits on the feed)
+    come back with the sums of the same indices sent whole; the waits count in ``feed_bound_s``."""
+    cfg = JobConfig(workers=2, slots=8, elems=K)
+    idx = random_indices(cfg, 30, seed=4)
+    buf = np.zeros_like(idx[0])
+
+    def fill(done: Callable[[int], None]) -> None:
+        start = 0
+        for stop in (100, 700, 1500, buf.size):
+            time.sleep(0.02)
+            buf[start:stop] = idx[0][start:stop]
+            done(stop)
+            start = stop
+
+    with serving(cfg) as srv:
+        trs = [Transport(TransportConfig(cfg, worker=w, aggregator=("127.0.0.1", srv.port))) for w in range(2)]
+        out: dict[str, UseResults] = {}
+        th = threading.Thread(target=lambda: out.__setitem__("w1", trs[1].exchange_indices(idx[1])))
+        th.start()
+        res = trs[0].exchange_indices(buf, fill=fill)
+        th.join(timeout=30)
+        for tr in trs:
+            tr.close()
+    want = oracle(cfg, idx, [0, 1])
+    assert np.array_equal(res.sums, want) and np.array_equal(out["w1"].sums, want)
+    assert not res.lost.any() and (res.contributors == 2).all()
+    assert trs[0].stats.feed_bound_s >= 0.04  # three pauses with every ready datagram sent
+    assert trs[0].stats.results == 30
+
+
+@pytest.mark.parametrize("how", ["raises", "stops short"])
+def test_a_fill_that_fails_ends_the_exchange_with_its_error(how: str) -> None:
+    """A ``fill`` that raises after its first chunks (or returns before its last index is final) ends the
+    exchange at once with that error (or a RuntimeError that says how many datagrams were ready), not at
+    the deadline: the chunks it made final were sent, and no other."""
+    cfg = JobConfig(workers=1, slots=8, elems=K)
+    buf = random_indices(cfg, 12, seed=9)[0]
+
+    def fill(done: Callable[[int], None]) -> None:
+        done(3 * K)
+        if how == "raises":
+            raise ArithmeticError("the codec broke")
+
+    with serving(cfg) as srv, Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv.port),
+                                                        deadline=5.0)) as tr:
+        began = time.monotonic()
+        with pytest.raises(ArithmeticError if how == "raises" else RuntimeError,
+                           match="the codec broke" if how == "raises" else "3 of 12 rows"):
+            tr.exchange_indices(buf, fill=fill)
+        assert time.monotonic() - began < 2.0
+        assert tr.stats.packets_sent == 3
 
 
 def loopback_multicast_problem() -> str | None:

@@ -36,7 +36,7 @@ import torch
 
 from worker_lib.job import JobConfig
 from worker_lib.thc import THCConfig, THCWorker
-from worker_lib.transport import Transport, UseResults
+from worker_lib.transport import IndexFill, Transport, UseResults
 
 
 class Exchange(Protocol):
@@ -51,6 +51,11 @@ class Exchange(Protocol):
         ...
 
 
+#: ``exchange_streamed(indices, fill, *, tensor)`` of an exchange of one worker that sends its indices as
+#: ``fill`` computes them (``Transport.exchange_indices``' ``fill``): that worker's results.
+StreamedExchange = Callable[..., list[UseResults]]
+
+
 @dataclass
 class AllreduceResult:
     """One worker's allreduce: the decoded average and what the network gave back."""
@@ -62,7 +67,9 @@ class AllreduceResult:
     bitmap: np.ndarray  #: (chunks,) contributor bitmap per chunk
     lost: np.ndarray  #: (chunks,) bool, chunks taken as zero
     indices: np.ndarray  #: this worker's indices over the padded transformed length (uint8)
-    encode_s: float = 0.0  #: seconds in error feedback, rotation and quantization (the group's)
+    #: seconds in error feedback, rotation and quantization (the group's; a worker of its own quantizes
+    #: beside its index exchange, which counts it in ``network_s``)
+    encode_s: float = 0.0
     network_s: float = 0.0  #: seconds in the two exchanges, waiting for peers included (and, with
     #: caller-kept error feedback, the new error's computation, which runs beside the index exchange)
 
@@ -85,26 +92,63 @@ def thc_allreduce(workers: Sequence[THCWorker], exchange: Exchange, grads: Seque
     t1 = time.perf_counter()
     max_norms = exchange.exchange_norms(norms, tensor=tensor)
     t2 = time.perf_counter()
-    # the job's max norm: the same scale on every worker; np.stack copies (the codec reuses its buffer)
-    stacked = np.stack([np.asarray(w.compress(tensor, float(m)).indices.cpu().numpy(), np.uint8)
-                        for w, m in zip(workers, max_norms, strict=True)])
-    t3 = time.perf_counter()
 
     def new_errors() -> None:  # x - RHT^-1(X_i) with this step's rotation (Algorithm 3)
         for w, e in zip(workers, errs, strict=True):
             w.residual(tensor, out=e)
 
-    if errors is not None and all(w.fixed for w in workers):
-        new_errors()  # written by compress already (a copy at most): nothing to run beside the exchange
-        errors = None
-    with _Beside(None if errors is None else new_errors):
-        results = exchange.exchange_indices(stacked, tensor=tensor)
-    t4 = time.perf_counter()
+    # the job's max norm: the same scale on every worker
+    stream = getattr(exchange, "exchange_streamed", None) if len(workers) == 1 else None
+    if stream is not None:
+        results, stacked = _streamed(workers[0], stream, float(max_norms[0]), tensor,
+                                     None if errors is None else new_errors)
+        t3, t4 = t2, time.perf_counter()  # quantized beside the exchange: it counts in the network phase
+    else:
+        # np.stack copies (the codec reuses its buffer)
+        stacked = np.stack([np.asarray(w.compress(tensor, float(m)).indices.cpu().numpy(), np.uint8)
+                            for w, m in zip(workers, max_norms, strict=True)])
+        t3 = time.perf_counter()
+        if errors is not None and all(w.fixed for w in workers):
+            new_errors()  # written by compress already (a copy at most): nothing to run beside the exchange
+            errors = None
+        with _Beside(None if errors is None else new_errors):
+            results = exchange.exchange_indices(stacked, tensor=tensor)
+        t4 = time.perf_counter()
     encode_s, network_s = (t1 - t0) + (t3 - t2), (t2 - t1) + (t4 - t3)
     dests = [None] * len(workers) if outs is None else outs
     return [AllreduceResult(decode(w, tensor, r, idx.size, out=o), float(m), r.sums, r.contributors, r.bitmap,
                             r.lost, idx, encode_s, network_s)
             for w, r, idx, m, o in zip(workers, results, stacked, max_norms, dests, strict=True)]
+
+
+#: Coordinates quantized before a worker's first chunks go out, and in each later piece (multiples of
+#: ``fused.BLOCK``): the first piece small, so that the network starts at once; the later ones large enough
+#: that waking the exchange for each costs little (a 4.19 M-coordinate bucket: 17 pieces).
+FIRST_PIECE = 1 << 16
+PIECE = 1 << 18
+
+
+def _streamed(worker: THCWorker, stream: StreamedExchange, max_norm: float, tensor: int,
+              after: Callable[[], object] | None) -> tuple[list[UseResults], np.ndarray]:
+    """One worker's quantization and index exchange overlapped: the compiled pass quantizes piece by piece
+    on the exchange's helper thread while the chunks already quantized are on their way
+    (``Transport.exchange_indices``' ``fill``); ``after`` (the new error feedback) runs there once the last
+    piece is done. Returns the results and a copy of the indices."""
+    enc, quantize = worker.compress_in_pieces(tensor, max_norm)
+    host = enc.indices.cpu().numpy()  # the codec's own buffer on a CPU (written in place by ``quantize``)
+    kept = np.empty_like(host)
+
+    def fill(done: Callable[[int], None]) -> None:
+        n, start = host.size, 0
+        for stop in [*range(FIRST_PIECE, n, PIECE), n]:
+            quantize(start, stop)
+            done(stop)
+            start = stop
+        np.copyto(kept, host)  # the codec reuses its buffer next step
+        if after is not None:
+            after()
+
+    return stream(host, fill, tensor=tensor), kept[None, :]
 
 
 class _Beside:
@@ -174,6 +218,10 @@ class TransportExchange:
     def exchange_indices(self, indices: np.ndarray, *, tensor: int) -> list[UseResults]:
         (own,) = indices
         return [self.transport.exchange_indices(own, tensor=tensor)]
+
+    def exchange_streamed(self, indices: np.ndarray, fill: IndexFill, *, tensor: int) -> list[UseResults]:
+        """The worker's indices sent while ``fill`` computes them (``Transport.exchange_indices``)."""
+        return [self.transport.exchange_indices(indices, tensor=tensor, fill=fill)]
 
 
 class THCAllreduce:

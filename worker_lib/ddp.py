@@ -179,7 +179,9 @@ class HookStats:
 
     buckets: int = 0
     coordinates: int = 0
-    encode_s: float = 0.0  #: error feedback, norm, RHT, quantization (or fixed-point scaling)
+    #: error feedback, norm, RHT (or fixed-point scaling); THC's quantization runs beside the data exchange
+    #: (``worker_lib.allreduce``: the first chunks leave while the rest is quantized) and counts in network_s
+    encode_s: float = 0.0
     network_s: float = 0.0  #: norm stage and data exchange with the aggregator (incl. waiting for peers)
     decode_s: float = 0.0  #: the rest: decoding the average, error bookkeeping, copy back into the bucket
     cpu_s: float = 0.0  #: CPU time of the exchange thread over all of the above (the rest of the time it waits)

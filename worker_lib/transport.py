@@ -59,11 +59,12 @@ import numpy as np
 from worker_lib.batch_io import BatchSocket, sockaddr_to_tuple
 from worker_lib.job import JobConfig
 from worker_lib.pacing import BURST_RUN, PROBE_USES, Pacer, extend_loss_runs
+from worker_lib.packet_feed import PacketFeed
 from worker_lib.resend_timers import due_uses
 from worker_lib.result_intake import OWN_SHARE_PROBE, foreign_chunk, has_notice, take_results
 from worker_lib.udp_offload import GSO_BYTES, GSO_SEGMENTS, SOL_UDP, UDP_SEGMENT, gso_available
 from worker_lib.values import FLOAT32_MAX, is_integer
-from worker_lib.wire.index_packets import index_packets, stamp_uses
+from worker_lib.wire.index_packets import IndexPacker, index_packets, packs_in_pieces, stamp_uses
 from worker_lib.wire.layout import DAR_PREFIX_BYTES, HEADER_BYTES, PacketType, field_offsets
 from worker_lib.wire.pcap import PcapWriter
 from worker_lib.wire.protocol import ROUND_MASK, Header, fragment_count, serial_newer
@@ -74,6 +75,9 @@ log = logging.getLogger(__name__)
 #: A compiled intake of one received batch: (rows, lengths, use_of_slot, done, finished out) -> (answers,
 #: pending datagrams, unexpected datagrams); see ``Transport._exchange`` and ``worker_lib.result_intake``.
 Intake = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], tuple[int, int, int]]
+
+#: ``fill(done)`` of ``Transport.exchange_indices``: writes the indices in order, ``done(n)`` once 0..n-1 are final.
+IndexFill = Callable[[Callable[[int], None]], None]
 
 RX_BATCH = 64  #: datagrams read per recvmmsg
 
@@ -210,6 +214,9 @@ class TransportStats:
     slot_bound_s: float = 0.0
     #: seconds waited with the window full (the pacer's limit, or the path's)
     window_bound_s: float = 0.0
+    #: seconds waited with room to send but the next use's datagram not computed yet (``exchange_indices``'
+    #: ``fill``: the codec quantizes while the first chunks are on their way)
+    feed_bound_s: float = 0.0
     #: seconds from an exchange's last new use sent to its end: draining the last answers and
     #: recovering the last losses, with nothing new to send meanwhile
     tail_s: float = 0.0
@@ -329,10 +336,16 @@ class Transport:
         return (policy or self.cfg.loss_policy) == "reliable" and p.threshold == p.workers
 
     # -- low-level calls (numpy only) --------------------------------------------------------------
-    def exchange_indices(self, indices: np.ndarray, *, tensor: int = 0) -> UseResults:
+    def exchange_indices(self, indices: np.ndarray, *, tensor: int = 0, fill: IndexFill | None = None) -> UseResults:
         """Send b-bit indices (any length; padded with index 0 to chunks of K) and return the sums.
 
         Index 0 stands for table value 0, so the padding adds nothing.
+
+        ``fill``: the indices are still being computed, into ``indices`` itself (a C-contiguous array):
+        ``fill(done)``, run on a helper thread, writes them in order and calls ``done(n)`` whenever indices
+        0..n-1 are final, and each chunk goes out once it is (``worker_lib.packet_feed``). Whatever ``fill``
+        runs after its last ``done`` ends before this returns; its exception is raised here. Widths that do
+        not pack whole bytes per chunk, and indices that are not uint8, wait for ``fill`` to end first.
         """
         p = self.cfg.params
         if p.kind != "thc":
@@ -340,12 +353,23 @@ class Transport:
         check_tensor_id(tensor)
         if not np.issubdtype(np.asarray(indices).dtype, np.integer):
             raise ValueError(f"indices must be integers, got dtype {np.asarray(indices).dtype}")
-        # built (and the indices checked) before the uses are claimed: a refused tensor spends none
-        pkts = index_packets(p.request_fields(PacketType.DATA, worker=self.wire_worker, tensor=tensor), indices,
-                             p.bits, p.elems)
-        slots, rounds = self._claim_uses(pkts.shape[0])
-        stamp_uses(pkts, slots, rounds)
-        res = self._run_packets(PacketType.DATA, pkts, slots, rounds, tensor=tensor)
+        fields = p.request_fields(PacketType.DATA, worker=self.wire_worker, tensor=tensor)
+        if fill is not None and not (isinstance(indices, np.ndarray) and indices.flags.c_contiguous
+                                     and packs_in_pieces(indices, p.bits, p.elems)):
+            fill(lambda _n: None)  # computed first, then sent as any other tensor
+            fill = None
+        if fill is None:
+            # built (and the indices checked) before the uses are claimed: a refused tensor spends none
+            pkts = index_packets(fields, indices, p.bits, p.elems)
+            slots, rounds = self._claim_uses(pkts.shape[0])
+            stamp_uses(pkts, slots, rounds)
+            res = self._run_packets(PacketType.DATA, pkts, slots, rounds, tensor=tensor)
+        else:
+            flat = indices.reshape(-1)
+            packer = IndexPacker(fields, p.bits, p.elems, flat.size)
+            slots, rounds = self._claim_uses(packer.rows)
+            feed = PacketFeed(packer.rows, _packing(fill, flat, packer, slots, rounds))
+            res = self._run_packets(PacketType.DATA, packer.packets, slots, rounds, tensor=tensor, feed=feed)
         if not p.tiered and not (self.opened and self.in_step()):  # 0.4 ms for 2^22 indices: only where needed
             chunk = foreign_chunk(res.sums, res.contributors, res.bitmap, res.lost, np.ascontiguousarray(indices,
                                   np.uint8).reshape(-1), p.values(), self.wire_worker, OWN_SHARE_PROBE)
@@ -498,9 +522,9 @@ class Transport:
         return self._run_packets(typ, build_batch(hdr, payloads), slots, rounds, tensor=tensor, policy=policy)
 
     def _run_packets(self, typ: PacketType, pkts: np.ndarray, slots: np.ndarray, rounds: np.ndarray, *,
-                     tensor: int, policy: LossPolicy | None = None) -> UseResults:
+                     tensor: int, policy: LossPolicy | None = None, feed: PacketFeed | None = None) -> UseResults:
         """Run the claimed uses (``slots``, ``rounds``) whose one datagram each is a row of ``pkts`` and collect
-        their answers."""
+        their answers (the rows of ``feed``, if any, as it makes them ready)."""
         cfg, p = self.cfg, self.cfg.params
         count = pkts.shape[0]
         is_norm = typ == PacketType.NORM
@@ -541,7 +565,7 @@ class Transport:
         fast = None if is_norm or p.leaves is not None else intake
         lost = self._exchange(slots, rounds, rows, accept, lambda _i: (0,), tensor=tensor,
                               policy=policy or cfg.loss_policy, what=f"job {p.job}, this key and table",
-                              paced=not is_norm, block=pkts, intake=fast)
+                              paced=not is_norm, block=pkts, intake=fast, feed=feed)
         return UseResults(sums, contrib, bitmap, lost)
 
     # -- the engine --------------------------------------------------------------------------------
@@ -561,7 +585,29 @@ class Transport:
                   accept: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray],
                   resend: Callable[[int], Iterable[int]], *,
                   tensor: int, policy: LossPolicy, what: str, paced: bool = True,
-                  block: np.ndarray | None = None, intake: Intake | None = None) -> np.ndarray:
+                  block: np.ndarray | None = None, intake: Intake | None = None,
+                  feed: PacketFeed | None = None) -> np.ndarray:
+        """``_run_uses`` with ``feed``'s work running beside it: started first, and ended (its exception
+        raised) before this returns."""
+        if feed is None:
+            return self._run_uses(slots, rounds, packets, accept, resend, tensor=tensor, policy=policy, what=what,
+                                  paced=paced, block=block, intake=intake)
+        feed.start()
+        try:
+            lost = self._run_uses(slots, rounds, packets, accept, resend, tensor=tensor, policy=policy, what=what,
+                                  paced=paced, block=block, intake=intake, feed=feed)
+        finally:
+            feed.close()
+        feed.check()
+        return lost
+
+    def _run_uses(self, slots: np.ndarray, rounds: np.ndarray,
+                  packets: list[list[bytes]] | list[list[np.ndarray]] | np.ndarray,
+                  accept: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray],
+                  resend: Callable[[int], Iterable[int]], *,
+                  tensor: int, policy: LossPolicy, what: str, paced: bool = True,
+                  block: np.ndarray | None = None, intake: Intake | None = None,
+                  feed: PacketFeed | None = None) -> np.ndarray:
         """The one retransmission engine: run uses until each is answered or lost; return which were lost.
 
         Use i (slot ``slots[i]``, round ``rounds[i]``) sends the datagrams ``packets[i]``; at most the
@@ -653,7 +699,11 @@ class Transport:
             An answered use leaves the window even while an older one waits, as a SACKed segment leaves
             TCP's pipe (RFC 6675): one lost packet must not stop the sending."""
             open_ = nxt - base - int(np.count_nonzero(done[base:nxt]))
-            return max(0, min(self.pacer.window() - open_, base + p.slots - nxt, count - nxt))
+            return max(0, min(self.pacer.window() - open_, base + p.slots - nxt, ready() - nxt))
+
+        def ready() -> int:
+            """Uses whose datagrams are final: all of them, or the rows ``feed`` has made ready so far."""
+            return count if feed is None else feed.ready
 
         all_sent = math.inf  # when the last new use went out
 
@@ -826,14 +876,20 @@ class Transport:
             next_at = min(next_at, tail_probe(base, now)[1])
             wait = max(0.0, next_at - now) if next_at < math.inf else 0.0
             waited = time.monotonic()
-            ready, _, _ = select.select(self.socks, [], [], max(wait, 0.0005))
-            if nxt < count:  # blocked from sending: by the slots or by the window
+            fed = feed is not None and nxt < count  # a new piece of rows wakes the engine as an answer does
+            readable, _, _ = select.select([*self.socks, feed] if fed else self.socks, [], [], max(wait, 0.0005))
+            if nxt < count:  # blocked from sending: by the feed, the slots or the window
                 waited = time.monotonic() - waited
-                if nxt - base >= p.slots:
+                if nxt == ready():
+                    self.stats.feed_bound_s += waited
+                elif nxt - base >= p.slots:
                     self.stats.slot_bound_s += waited
                 else:
                     self.stats.window_bound_s += waited
-            receive(ready)
+            if fed and feed in readable:
+                feed.drain()  # raises where the feed's work failed
+                readable.remove(feed)
+            receive(readable)
         return end()
 
     def _finish_lost(self, i: int, slot: int, tensor: int, done: np.ndarray, lost: np.ndarray,
@@ -929,6 +985,28 @@ class Transport:
             return  # an ICMP error from an earlier packet: the timeout retransmits
         if self.pcap is not None:
             self.pcap.write(self.sock.getsockname(), dest, bytes(data))
+
+
+def _packing(fill: IndexFill, indices: np.ndarray, packer: IndexPacker, slots: np.ndarray,
+             rounds: np.ndarray) -> Callable[[Callable[[int], None]], None]:
+    """A ``PacketFeed``'s work: ``fill`` the indices, and as they become final pack their whole chunks (every row
+    once the last index is final) into ``packer``'s rows, stamp their uses and publish them."""
+
+    def work(publish: Callable[[int], None]) -> None:
+        packed = 0
+
+        def done(n: int) -> None:
+            nonlocal packed
+            rows = packer.rows if n >= indices.size else n // packer.elems
+            if rows > packed:
+                packer.pack(indices, packed, rows)
+                stamp_uses(packer.packets[packed:rows], slots[packed:rows], rounds[packed:rows])
+                packed = rows
+                publish(rows)
+
+        fill(done)
+
+    return work
 
 
 def _multicast_socket(spec: str, iface: str) -> socket.socket:

@@ -9,7 +9,7 @@ stateless arithmetic; ``THCWorker`` adds error feedback and the bookkeeping betw
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -31,6 +31,14 @@ from worker_lib.thc.quantize import (
 from worker_lib.thc.signs import SignKey
 from worker_lib.thc.table import LookupTable, solve_table, truncation_threshold, uniform_table
 from worker_lib.values import FLOAT32_MAX, is_integer
+
+#: ``quantize(start, stop)``: a pass of ``THCCodec.quantize_rotated_in_pieces`` over coordinates start..stop-1.
+Quantize = Callable[[int, int], None]
+
+
+def _quantized_already(_start: int, _stop: int) -> None:
+    """The ``Quantize`` of a vector quantized in one go already (a GPU's, or a zero scale's)."""
+
 
 #: How the rotation's signs change from step to step: the paper's fresh signs per (job, tensor, step), or one
 #: rotation per (job, tensor) for every step, which lets error feedback stay in the rotated domain (no
@@ -218,20 +226,38 @@ class THCCodec:
         carry (``own_values``' X_i, then one float32 subtraction; on the CPU in the quantization's pass):
         the error feedback's residual in the rotated domain, for ``THCWorker.residual``. With
         ``residual_into`` (as long as ``rotated``) it goes there instead and ``rotated`` is left as it was."""
+        enc, quantize = self.quantize_rotated_in_pieces(rotated, max_norm, length, buffers, residual=residual,
+                                                        residual_into=residual_into)
+        quantize(0, rotated.numel())
+        return enc
+
+    def quantize_rotated_in_pieces(self, rotated: torch.Tensor, max_norm: float, length: int,
+                                   buffers: TensorBuffers, *, residual: bool = False,
+                                   residual_into: torch.Tensor | None = None) -> tuple[Encoded, Quantize]:
+        """``quantize_rotated`` whose compiled pass has not run yet: ``quantize(start, stop)`` writes the indices
+        (and residuals) of coordinates start..stop-1 (start a multiple of ``fused.BLOCK``), the same bits in any
+        pieces, so that a caller can send the first chunks while the rest is quantized (and on a thread of its
+        own: the pass releases the GIL). Where there is no compiled pass (a GPU, a zero scale), everything is
+        quantized here and ``quantize`` does nothing."""
         ws = buffers.ws
         big_m = self.scale(max_norm, rotated.numel())
         dest = rotated if residual and residual_into is None else residual_into
         if rotated.device.type == "cpu" and big_m > 0 and (dest is None or dest.is_contiguous()):
             # one compiled pass (fused.py), the same arithmetic
-            self._quantize_cpu(rotated.numpy(), big_m, self.uniforms.next_key(), ws.indices.numpy(), dest is not None,
-                               None if dest is None else dest.numpy())
-            return Encoded(ws.indices, big_m, length, self.table.bits, ws.packed)
+            x, out, key = rotated.numpy(), ws.indices.numpy(), self.uniforms.next_key()
+            res = None if dest is None else dest.numpy()
+
+            def quantize(start: int, stop: int) -> None:
+                self._quantize_cpu(x[start:stop], big_m, key, out[start:stop], res is not None,
+                                   None if res is None else res[start:stop], first=start)
+
+            return Encoded(ws.indices, big_m, length, self.table.bits, ws.packed), quantize
         y = to_grid(rotated, -big_m, big_m, self.table.granularity, out=ws.grid)
         indices = self.quantizer.quantize(y, self.uniforms.fill(ws.uniforms), ws)
         enc = Encoded(indices, big_m, length, self.table.bits, ws.packed)
         if dest is not None:
             torch.sub(rotated, self.own_values(enc, out=ws.grid), out=dest)
-        return enc
+        return enc, _quantized_already
 
     def encode(self, x: torch.Tensor, max_norm: float, key: SignKey,
                buffers: TensorBuffers | None = None) -> Encoded:
@@ -242,19 +268,20 @@ class THCCodec:
         return self.quantize_rotated(rotated, max_norm, flat.numel(), buf)
 
     def _quantize_cpu(self, x: np.ndarray, big_m: float, key: int, out: np.ndarray, residual: bool = False,
-                      res: np.ndarray | None = None) -> None:
+                      res: np.ndarray | None = None, *, first: int = 0) -> None:
         """``fused.quantize_into`` over [-M, M] with this codec's table: the indices of x into ``out``; with
         ``residual``, ``fused.quantize_residual_into`` (``res``, x itself by default, becomes x - X_i, as
-        ``own_values`` computes X_i)."""
+        ``own_values`` computes X_i). ``first``: where x starts in the whole vector (``fused.quantize_into``)."""
         g = self.table.granularity
         scale = g / (2 * big_m)  # as to_grid: x * scale + (-low) * scale, each rounded to float32
         q = self.quantizer
         args = (x, np.float32(scale), np.float32(big_m * scale), g, q.slope, q.offset, self.table.size - 1,
                 np.uint64(key), out)
         if residual:
-            fused.quantize_residual_into(*args, q.values.numpy(), *self._own_map(big_m), x if res is None else res)
+            fused.quantize_residual_into(*args, q.values.numpy(), *self._own_map(big_m), x if res is None else res,
+                                         first)
         else:
-            fused.quantize_into(*args)
+            fused.quantize_into(*args, first)
 
     def aggregate(self, indices: Sequence[torch.Tensor | np.ndarray]) -> torch.Tensor:
         """What the aggregator computes: the integer sum of T[index] over workers (int64, on CPU)."""
@@ -498,19 +525,30 @@ class THCWorker:
         The max norm is normally at least this worker's own; under a partial completion threshold a
         straggler's may exceed it, and clamping (with error feedback) absorbs the difference.
         """
+        enc, quantize = self.compress_in_pieces(tensor, max_norm)
+        quantize(0, enc.padded)
+        return enc
+
+    def compress_in_pieces(self, tensor: int, max_norm: float) -> tuple[Encoded, Quantize]:
+        """``compress`` whose quantization runs in pieces afterwards, ``quantize(start, stop)`` in order over the
+        padded length (``THCCodec.quantize_rotated_in_pieces``): the indices, and the residual of the error
+        feedback, are those of ``compress`` once every piece has run, and nothing else may use the tensor's
+        state until then."""
         st = self._require(tensor)
         check_norm(max_norm, "max_norm")
         rotated = st.buffers.ws.rotated
         if self.fixed:  # the residual goes beside the rotated vector, which stays for another compress
             into = st.caller_error if st.caller_error is not None else st.pending
-            st.encoded = self.codec.quantize_rotated(rotated, max_norm, st.d, st.buffers, residual_into=into)
-            return st.encoded
+            st.encoded, quantize = self.codec.quantize_rotated_in_pieces(rotated, max_norm, st.d, st.buffers,
+                                                                         residual_into=into)
+            return st.encoded, quantize
         if st.rotated_residual:  # quantized again in the same step: the buffer holds the last residual
             self.codec.rotate_norm(st.x, st.key, st.buffers)  # x_rot again, the same bits
             st.rotated_residual = False
-        st.encoded = self.codec.quantize_rotated(rotated, max_norm, st.d, st.buffers, residual=st.keeps_error)
+        st.encoded, quantize = self.codec.quantize_rotated_in_pieces(rotated, max_norm, st.d, st.buffers,
+                                                                     residual=st.keeps_error)
         st.rotated_residual = st.keeps_error
-        return st.encoded
+        return st.encoded, quantize
 
     def residual(self, tensor: int, x: torch.Tensor | None = None, *, out: torch.Tensor) -> torch.Tensor:
         """out = x - RHT^-1(X_i): what this step's own indices failed to carry of ``x`` (Algorithm 3's

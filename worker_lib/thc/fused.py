@@ -70,7 +70,7 @@ def _uniform(key: np.uint64, i: int) -> np.float32:
 
 @njit(cache=True, nogil=True)
 def quantize_into(x: np.ndarray, scale: np.float32, shift: np.float32, granularity: int, slope: np.ndarray,
-                  offset: np.ndarray, top: int, key: np.uint64, out: np.ndarray) -> None:
+                  offset: np.ndarray, top: int, key: np.uint64, out: np.ndarray, first: int = 0) -> None:
     """out[i] = the table index of x[i]: y = clamp(x[i] * scale + shift, 0, g) on the grid, its cell
     c = min(floor(y), g - 1), then min(floor(y * slope[c] + offset[c] + u_i), top) (never negative:
     y * slope[c] + offset[c] >= c's segment index >= 0). min/max rather than branches.
@@ -81,22 +81,27 @@ def quantize_into(x: np.ndarray, scale: np.float32, shift: np.float32, granulari
     cell kept the whole pass scalar (LLVM does not emit gathers for this CPU): 15.2 against 11.7 ms for
     2^22 coordinates here, the same indices. The cells are unsigned and each block works on slices, so
     that no index needs numba's wrap-around of negative indices: with it, every lookup of the scalar
-    second loop carried a sign test and a select of the base address (2.7 against 1.7 ms for 2^20)."""
+    second loop carried a sign test and a select of the base address (2.7 against 1.7 ms for 2^20).
+
+    ``first``: the position of x[0] in the whole vector (a multiple of ``BLOCK``), whose uniforms x's
+    coordinates take: a vector quantized in pieces (``x``, ``out`` slices from ``first`` on) gets the indices
+    it gets in one call, so that a worker can send its first chunks while it quantizes the rest."""
     _quantize(x, scale, shift, granularity, slope, offset, top, key, out, False, _NO_VALUES, np.float32(0.0),
-              np.float32(0.0), x)
+              np.float32(0.0), x, first)
 
 
 @njit(cache=True, nogil=True)
 def quantize_residual_into(x: np.ndarray, scale: np.float32, shift: np.float32, granularity: int,
                            slope: np.ndarray, offset: np.ndarray, top: int, key: np.uint64, out: np.ndarray,
-                           values: np.ndarray, step: np.float32, low: np.float32, res: np.ndarray) -> None:
+                           values: np.ndarray, step: np.float32, low: np.float32, res: np.ndarray,
+                           first: int = 0) -> None:
     """``quantize_into``, then res[i] = x[i] - (float32(values[out[i]]) * step + low), block by block: what
     the indices fail to carry in the rotated domain, x - X_i (``lookup_estimate_into``'s X_i, in its
     arithmetic, then one float32 subtraction); ``res`` may be x itself. The error feedback then needs at most
     the inverse rotation of the residual (none with a fixed rotation, whose error feedback stays rotated),
     not a pass that looks the indices up again and another that subtracts (``THCWorker.residual``); the
-    block is still in L1 when its residual is written."""
-    _quantize(x, scale, shift, granularity, slope, offset, top, key, out, True, values, step, low, res)
+    block is still in L1 when its residual is written. ``first`` as ``quantize_into``'s."""
+    _quantize(x, scale, shift, granularity, slope, offset, top, key, out, True, values, step, low, res, first)
 
 
 _NO_VALUES = np.zeros(1, np.int32)
@@ -105,8 +110,11 @@ _NO_VALUES = np.zeros(1, np.int32)
 @njit(cache=True, inline="always")
 def _quantize(x: np.ndarray, scale: np.float32, shift: np.float32, granularity: int, slope: np.ndarray,
               offset: np.ndarray, top: int, key: np.uint64, out: np.ndarray, residual: bool, values: np.ndarray,
-              step: np.float32, low: np.float32, res: np.ndarray) -> None:
-    """The two passes above: the blocks' indices, and with ``residual`` each block's x - X_i into res."""
+              step: np.float32, low: np.float32, res: np.ndarray, first: int) -> None:
+    """The two passes above: the blocks' indices, and with ``residual`` each block's x - X_i into res; x[0] is
+    position ``first`` (a multiple of ``BLOCK``) of the vector, whose uniforms it takes."""
+    if first % BLOCK:
+        raise ValueError("a piece must start at a multiple of BLOCK")
     g = np.float32(granularity)
     zero = np.float32(0.0)
     last, cap = np.int32(granularity - 1), np.int32(top)
@@ -121,14 +129,14 @@ def _quantize(x: np.ndarray, scale: np.float32, shift: np.float32, granularity: 
             ys[j] = y
             cells[j] = np.uint32(min(np.int32(y), last))
         if m == BLOCK:  # a whole block: one hash per two uniforms
-            base = (s // BLOCK) * _HALF
+            base = ((first + s) // BLOCK) * _HALF
             for j in range(_HALF):
                 z = _mix(key, base + j)
                 us[j] = _high(z)
                 us[j + _HALF] = _low(z)
         else:
             for j in range(m):
-                us[j] = _uniform(key, s + j)
+                us[j] = _uniform(key, first + s + j)
         for j in range(m):
             c = cells[j]
             os[j] = min(np.int32(ys[j] * slope[c] + offset[c] + us[j]), cap)

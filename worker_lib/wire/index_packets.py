@@ -32,10 +32,11 @@ _O_SLOT, _O_ROUND, _O_CHUNK = _OFF["slot"], _OFF["round"], _OFF["chunk"]
 
 
 @njit(cache=True, nogil=True)
-def _pack_rows(template: np.ndarray, fields: np.ndarray, width: int, elems: int, out: np.ndarray) -> bool:
-    """Row r of ``out``: ``template``, chunk r, then fields r*elems .. (r+1)*elems - 1 packed at ``width``
-    (1, 2, 4 or 8 bits, MSB first; ``elems * width`` a multiple of 8), zeros past the fields' end. Returns
-    False if a field is 2^width or more (the rows are then unfinished)."""
+def _pack_rows(template: np.ndarray, fields: np.ndarray, width: int, elems: int, out: np.ndarray,
+               first: int = 0) -> bool:
+    """Row r of ``out``: ``template``, chunk ``first`` + r, then fields r*elems .. (r+1)*elems - 1 packed at
+    ``width`` (1, 2, 4 or 8 bits, MSB first; ``elems * width`` a multiple of 8), zeros past the fields' end.
+    Returns False if a field is 2^width or more (the rows are then unfinished)."""
     per = 8 // width
     nbytes = elems // per
     n = fields.size
@@ -44,7 +45,7 @@ def _pack_rows(template: np.ndarray, fields: np.ndarray, width: int, elems: int,
         row = out[r]
         for k in range(_H):
             row[k] = template[k]
-        put32(row, _O_CHUNK, r)
+        put32(row, _O_CHUNK, first + r)
         start = r * elems
         if start + elems <= n:  # a whole row: the loops LLVM vectorises
             z = fields[start:start + elems]
@@ -91,11 +92,37 @@ def index_packets(header: Mapping[str, int], fields: np.ndarray, width: int, ele
     check_width(width)
     f = np.asarray(fields).reshape(-1)
     rows = max(1, -(-f.size // elems))
-    fixed = {**header, "slot": 0, "round": 0}
-    if f.dtype != np.uint8 or width not in (1, 2, 4, 8) or (elems * width) % 8:
+    if not packs_in_pieces(f, width, elems):
+        fixed = {**header, "slot": 0, "round": 0}
         return build_batch({**fixed, "chunk": np.arange(rows)}, pack_padded_rows(f, width, rows, elems))
-    template = np.frombuffer(Header(**{**fixed, "chunk": 0}).pack(), np.uint8)
-    out = np.empty((rows, HEADER_BYTES + packed_bytes(elems, width)), np.uint8)
-    if not _pack_rows(template, f, width, elems, out):
-        check_fields(f, width)  # raises, with the message every other packing gives
-    return out
+    packer = IndexPacker(header, width, elems, f.size)
+    packer.pack(f, 0, rows)
+    return packer.packets
+
+
+def packs_in_pieces(fields: np.ndarray, width: int, elems: int) -> bool:
+    """Whether ``IndexPacker`` packs these fields (uint8, widths that pack whole bytes per row); the others
+    take ``index_packets``' composition."""
+    return np.asarray(fields).dtype == np.uint8 and width in (1, 2, 4, 8) and (elems * width) % 8 == 0
+
+
+class IndexPacker:
+    """The DATA packets of ``size`` b-bit indices (b = ``width``) in chunks of ``elems``, packed a range of rows
+    at a time (``index_packets``' rows, the same bytes): a worker sends the first chunks of a tensor while its
+    later indices are still being computed. ``packets`` holds the rows; a row is defined once ``pack`` wrote it."""
+
+    def __init__(self, header: Mapping[str, int], width: int, elems: int, size: int) -> None:
+        check_width(width)
+        self.width, self.elems, self.size = width, elems, size
+        self.rows = max(1, -(-size // elems))
+        self._template = np.frombuffer(Header(**{**header, "slot": 0, "round": 0, "chunk": 0}).pack(), np.uint8)
+        self.packets = np.empty((self.rows, HEADER_BYTES + packed_bytes(elems, width)), np.uint8)
+
+    def pack(self, fields: np.ndarray, start: int, stop: int) -> None:
+        """Write rows start..stop-1 from ``fields`` (all ``size`` uint8 indices; those of these rows final).
+        Raises ValueError, with ``index_packets``' message, if one of their indices is 2^b or more."""
+        if start >= stop:
+            return
+        f = fields[start * self.elems:self.size]
+        if not _pack_rows(self._template, f, self.width, self.elems, self.packets[start:stop], start):
+            check_fields(f[:(stop - start) * self.elems], self.width)  # raises
