@@ -21,7 +21,8 @@ FeedWork = Callable[[Callable[[int], None]], None]
 
 
 class PacketFeed:
-    """``work`` run on a helper thread (``start``); ``ready`` rows of ``rows`` are final so far."""
+    """``work`` run on a helper thread for the duration of a ``with`` block; ``ready`` rows of ``rows`` are final
+    so far."""
 
     def __init__(self, rows: int, work: FeedWork) -> None:
         self.rows = rows
@@ -32,12 +33,23 @@ class PacketFeed:
         os.set_blocking(self._read, False)
         self._thread = threading.Thread(target=self._run, name="thc-feed", daemon=True)
 
+    def __enter__(self) -> PacketFeed:
+        """Start the work."""
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_exc: object) -> None:
+        """Wait for the work to end (it may run after its last row; if the engine failed first, it runs to its
+        end all the same), release the pipe, and raise the work's exception where the engine raised none."""
+        self._thread.join()
+        os.close(self._read)
+        os.close(self._write)
+        if exc_type is None:
+            self.check()
+
     def fileno(self) -> int:
         """The pipe's read end: readable when rows were published or the work ended (``select``)."""
         return self._read
-
-    def start(self) -> None:
-        self._thread.start()
 
     def _publish(self, rows: int) -> None:
         if not self.ready <= rows <= self.rows:
@@ -68,11 +80,3 @@ class PacketFeed:
         """Raise the work's exception, if it failed."""
         if self.error is not None:
             raise self.error
-
-    def close(self) -> None:
-        """Wait for the work to end (it may still run after its last row; if the engine failed first, it runs
-        to its end all the same) and release the pipe. ``check`` then tells how the work ended."""
-        if self._thread.ident is not None:
-            self._thread.join()
-        os.close(self._read)
-        os.close(self._write)

@@ -43,6 +43,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import select
@@ -563,9 +564,10 @@ class Transport:
 
         # the compiled intake covers DATA answers of one-tier jobs (whose contributor field counts workers)
         fast = None if is_norm or p.leaves is not None else intake
-        lost = self._exchange(slots, rounds, rows, accept, lambda _i: (0,), tensor=tensor,
-                              policy=policy or cfg.loss_policy, what=f"job {p.job}, this key and table",
-                              paced=not is_norm, block=pkts, intake=fast, feed=feed)
+        with feed or contextlib.nullcontext():  # the feed's work runs beside the engine, and ends before this
+            lost = self._exchange(slots, rounds, rows, accept, lambda _i: (0,), tensor=tensor,
+                                  policy=policy or cfg.loss_policy, what=f"job {p.job}, this key and table",
+                                  paced=not is_norm, block=pkts, intake=fast, feed=feed)
         return UseResults(sums, contrib, bitmap, lost)
 
     # -- the engine --------------------------------------------------------------------------------
@@ -581,27 +583,6 @@ class Transport:
         return slots, rounds
 
     def _exchange(self, slots: np.ndarray, rounds: np.ndarray,
-                  packets: list[list[bytes]] | list[list[np.ndarray]] | np.ndarray,
-                  accept: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray],
-                  resend: Callable[[int], Iterable[int]], *,
-                  tensor: int, policy: LossPolicy, what: str, paced: bool = True,
-                  block: np.ndarray | None = None, intake: Intake | None = None,
-                  feed: PacketFeed | None = None) -> np.ndarray:
-        """``_run_uses`` with ``feed``'s work running beside it: started first, and ended (its exception
-        raised) before this returns."""
-        if feed is None:
-            return self._run_uses(slots, rounds, packets, accept, resend, tensor=tensor, policy=policy, what=what,
-                                  paced=paced, block=block, intake=intake)
-        feed.start()
-        try:
-            lost = self._run_uses(slots, rounds, packets, accept, resend, tensor=tensor, policy=policy, what=what,
-                                  paced=paced, block=block, intake=intake, feed=feed)
-        finally:
-            feed.close()
-        feed.check()
-        return lost
-
-    def _run_uses(self, slots: np.ndarray, rounds: np.ndarray,
                   packets: list[list[bytes]] | list[list[np.ndarray]] | np.ndarray,
                   accept: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray],
                   resend: Callable[[int], Iterable[int]], *,
