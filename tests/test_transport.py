@@ -544,7 +544,8 @@ def test_indices_sent_while_they_are_computed_get_the_same_sums() -> None:
 def test_a_fill_that_fails_ends_the_exchange_with_its_error(how: str) -> None:
     """A ``fill`` that raises after its first chunks (or returns before its last index is final) ends the
     exchange at once with that error (or a RuntimeError that says how many datagrams were ready), not at
-    the deadline: the chunks it made final were sent, and no other."""
+    the deadline; of its chunks, none past those it made final was sent (those may or may not be: the engine
+    may hear of the failure first)."""
     cfg = JobConfig(workers=1, slots=8, elems=K)
     buf = random_indices(cfg, 12, seed=9)[0]
 
@@ -560,7 +561,7 @@ def test_a_fill_that_fails_ends_the_exchange_with_its_error(how: str) -> None:
                            match="the codec broke" if how == "raises" else "3 of 12 rows"):
             tr.exchange_indices(buf, fill=fill)
         assert time.monotonic() - began < 2.0
-        assert tr.stats.packets_sent == 3
+        assert tr.stats.packets_sent <= 3
 
 
 def loopback_multicast_problem() -> str | None:

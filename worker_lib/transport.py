@@ -858,10 +858,11 @@ class Transport:
             wait = max(0.0, next_at - now) if next_at < math.inf else 0.0
             waited = time.monotonic()
             fed = feed is not None and nxt < count  # a new piece of rows wakes the engine as an answer does
+            starved = nxt == ready()
             readable, _, _ = select.select([*self.socks, feed] if fed else self.socks, [], [], max(wait, 0.0005))
             if nxt < count:  # blocked from sending: by the feed, the slots or the window
                 waited = time.monotonic() - waited
-                if nxt == ready():
+                if starved:
                     self.stats.feed_bound_s += waited
                 elif nxt - base >= p.slots:
                     self.stats.slot_bound_s += waited
