@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from aggregator.prefault import populate_in_background
 from aggregator.state import validate
 from worker_lib.job import JobConfig, JobConfigError
 from worker_lib.wire.bits import unpack_bits
@@ -106,6 +107,7 @@ class JobState:
         self.byte_lut = _byte_lut(self.values, cfg.bits) if self.values is not None else None
         self.value_dtype = _value_dtype(self.values) if self.values is not None else np.dtype(np.int32)
         self.sums = np.zeros((s, 2, k), np.int32)
+        self.prefault = populate_in_background(self.sums)  #: maps the banks' pages (aggregator/prefault.py)
         self.norm = np.zeros(2 * s, np.int64)
         self.used = np.zeros(s, bool)
         self.cur_round = np.zeros(s, np.int64)
