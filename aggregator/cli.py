@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--busy-poll", action="store_true", help="spin on the socket instead of sleeping in select")
     p.add_argument("--gro", action="store_true",
                    help="read runs of datagrams that arrive whole as one message (UDP_GRO), where the kernel "
-                        "has it; off by default (slower where measured, docs/aggregator.md)")
+                        "has it; off by default (docs/aggregator.md)")
     p.add_argument("--stats-interval", type=float_in(0, 86400), default=0.0, metavar="SECONDS",
                    help="print packets/s, elements/s, drops, stragglers and completions every SECONDS")
     p.add_argument("--metrics-port", type=port_number,

@@ -201,7 +201,8 @@ class Shard:
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(cfg.host))
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
         index, count = cfg.global_shard(shard)
-        self.agg = Aggregator(shard=index, shards=count, max_batch=cfg.batch, stride=cfg.stride,
+        # as many rows as one receive gives: with UDP_GRO up to 64 datagrams per message, more than --batch
+        self.agg = Aggregator(shard=index, shards=count, max_batch=self.io.batch, stride=cfg.stride,
                               compiled=cfg.engine == "compiled")
         if counters is not None:
             self.agg.counters = counters

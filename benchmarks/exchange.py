@@ -10,6 +10,7 @@ machine's speed drifts between minutes).
 
     python -m benchmarks.exchange                     # 2 workers, 4,191,951 4-bit indices, 30 exchanges
     python -m benchmarks.exchange --workers 4 --dim 1048576 --json
+    python -m benchmarks.exchange --gro               # the aggregator with coalesced receives
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ def measure(args: argparse.Namespace) -> dict:
     """Run the exchanges; per worker the medians of its rows, and the aggregator's CPU per exchange."""
     job = JobConfig(job=1, workers=args.workers, bits=args.bits, slots=args.slots)
     agg = subprocess.Popen([sys.executable, "-m", "aggregator.cli", "--host", "127.0.0.1", "--port", "0",
-                            "--job", job.spec()], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                           preexec_fn=die_with_parent)
+                            "--job", job.spec(), *(["--gro"] if args.gro else [])], cwd=ROOT,
+                           stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
     procs: list[mp.Process] = []
     try:
         line = agg.stdout.readline() if agg.stdout else ""
@@ -105,6 +106,7 @@ def measure(args: argparse.Namespace) -> dict:
     per_worker = [{k: statistics.median(r[k] for r in results[w]) for k in results[w][0]}
                   for w in sorted(results)]
     return {"workers": args.workers, "dim": args.dim, "bits": args.bits, "elems": job.elems, "loss": args.loss,
+            "gro": args.gro,
             "repeats": args.repeats, "per_worker": per_worker, "aggregator_cpu_s": agg_cpu / args.repeats}
 
 
@@ -123,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loss", type=float_in(0, 0.5), default=0.0,
                     help="share of the datagrams each worker drops in each direction (the transport's simulated "
                          "loss), 0..0.5 (default 0): what recovering from loss costs the worker's CPU")
+    ap.add_argument("--gro", action="store_true",
+                    help="the aggregator reads the workers' runs of datagrams as one message each (UDP_GRO)")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
     res = measure(args)
@@ -130,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res, indent=2))
         return 0
     print(f"{res['workers']} workers, {res['dim']:,} {res['bits']}-bit indices per exchange, K = {res['elems']}, "
-          f"{res['loss']:.1%} loss each way, median of {res['repeats']} exchanges")
+          f"{res['loss']:.1%} loss each way, median of {res['repeats']} exchanges"
+          f"{', the aggregator with UDP_GRO' if res['gro'] else ''}")
     print(f"{'worker':>6} {'wall ms':>8} {'cpu ms':>7} {'resent':>7} {'probes':>7} {'rx batches':>10}")
     for w, r in enumerate(res["per_worker"]):
         print(f"{w:>6} {r['wall_s'] * 1e3:8.1f} {r['cpu_s'] * 1e3:7.1f} {r['retransmissions']:7.0f} "

@@ -204,18 +204,21 @@ def test_compression_counts_the_bits_of_the_gradients_type(dtype: str, dense_bit
 def test_exchange_benchmark_times_every_workers_exchanges() -> None:
     """Two workers' exchanges through a real thc-aggregator on loopback: a row per worker, each from
     exchanges whose answers came in (receive batches), with the aggregator's CPU beside them; with
-    --loss, the workers' simulated drops make them resend."""
+    --loss, the workers' simulated drops make them resend; with --gro the exchanges complete as well."""
     from benchmarks.exchange import measure
 
     res = measure(argparse.Namespace(workers=2, dim=20000, bits=4, slots=64, repeats=2, warmup=1, timeout=120,
-                                     loss=0.0))
+                                     loss=0.0, gro=False))
     assert (res["elems"], res["dim"], len(res["per_worker"])) == (1440, 20000, 2)
     for row in res["per_worker"]:
         assert row["receive_batches"] >= 1 and 0 < row["cpu_s"] <= row["wall_s"] + 0.05
     assert res["aggregator_cpu_s"] >= 0
     lossy = measure(argparse.Namespace(workers=2, dim=20000, bits=4, slots=64, repeats=2, warmup=0, timeout=120,
-                                       loss=0.3))
+                                       loss=0.3, gro=False))
     assert lossy["loss"] == 0.3 and sum(r["retransmissions"] for r in lossy["per_worker"]) > 0
+    coalesced = measure(argparse.Namespace(workers=2, dim=200000, bits=4, slots=64, repeats=2, warmup=1,
+                                           timeout=120, loss=0.0, gro=True))  # the aggregator with --gro
+    assert coalesced["gro"] and all(r["receive_batches"] >= 1 for r in coalesced["per_worker"])
 
 
 def test_compression_hook_times_every_phase() -> None:

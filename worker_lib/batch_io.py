@@ -206,29 +206,8 @@ class BatchSocket:
         has = (msgs[:n, _OFF_CONTROLLEN] >= _CMSG_LEN_INT) & (ctrl[:, 1] == np.uint64(SOL_UDP | (UDP_GRO << 32)))
         seg = np.where(has, (ctrl[:, 2] & 0xFFFFFFFF).astype(np.int64), lens)
         seg = np.maximum(seg, 1)
-        counts = np.maximum(1, -(-lens // seg))
-        multi = counts > 1
-        if not multi.any():  # every message one datagram: one copy for all
-            keep = min(self.stride, int(lens.max()) if n else 0)
-            self.rx[:n, :keep] = self._gro_raw[:n, :keep]
-            self.rx_len[:n] = np.minimum(lens, self.stride)
-            self.rx_addr[:n] = self._gro_addr[:n]
-            return n
-        self.gro_messages += int(np.count_nonzero(multi))
-        out = 0
-        for k in range(n):  # per message (up to 64 datagrams each), not per datagram
-            c, s, length = int(counts[k]), int(seg[k]), int(lens[k])
-            whole = (c - 1) * s
-            cut = min(s, self.stride)
-            if c > 1:
-                self.rx[out:out + c - 1, :cut] = self._gro_raw[k, :whole].reshape(c - 1, s)[:, :cut]
-                self.rx_len[out:out + c - 1] = cut
-            last = length - whole
-            self.rx[out + c - 1, :min(last, self.stride)] = self._gro_raw[k, whole:whole + min(last, self.stride)]
-            self.rx_len[out + c - 1] = min(last, self.stride)
-            self.rx_addr[out:out + c] = self._gro_addr[k]
-            out += c
-        return out
+        self.gro_messages += int(np.count_nonzero(lens > seg))
+        return _cut_runs(self._gro_raw, lens, seg, self._gro_addr, self.rx, self.rx_len, self.rx_addr)
 
     def send(self, buf: np.ndarray, rows: np.ndarray, lengths: np.ndarray, addrs: np.ndarray) -> int:
         """Send row ``rows[k]`` of ``buf`` (``lengths[k]`` bytes) to ``addrs[k]`` (sockaddr_in) for all k.
@@ -284,6 +263,31 @@ class BatchSocket:
             return False
         self.gso_messages += int(np.count_nonzero(counts > 1))
         return True
+
+
+@njit(cache=True, nogil=True)
+def _cut_runs(raw: np.ndarray, lens: np.ndarray, seg: np.ndarray, addrs: np.ndarray, rx: np.ndarray,
+              rx_len: np.ndarray, rx_addr: np.ndarray) -> int:
+    """Message k (``lens[k]`` bytes of ``raw[k]``, from ``addrs[k]``) holds datagrams of ``seg[k]`` bytes back
+    to back, the last one shorter or not: copy each into the next row of ``rx`` (truncated at its stride, as
+    a plain receive truncates), its length into ``rx_len`` and its sender into ``rx_addr``; returns the rows
+    written. Compiled: a Python loop over the messages cost the aggregator 45 ms of CPU per 2^22-index exchange
+    on loopback, against 16 without coalescing."""
+    stride, out = rx.shape[1], 0
+    for k in range(lens.size):
+        length, s = lens[k], seg[k]
+        at = 0
+        while True:
+            m = min(s, length - at)
+            keep = min(m, stride)
+            rx[out, :keep] = raw[k, at:at + keep]
+            rx_len[out] = keep
+            rx_addr[out, :] = addrs[k]
+            out += 1
+            at += m
+            if at >= length:
+                break
+    return out
 
 
 @njit(cache=True, nogil=True)
