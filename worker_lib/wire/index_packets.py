@@ -33,7 +33,7 @@ _O_SLOT, _O_ROUND, _O_CHUNK = _OFF["slot"], _OFF["round"], _OFF["chunk"]
 
 @njit(cache=True, nogil=True)
 def _pack_rows(template: np.ndarray, fields: np.ndarray, width: int, elems: int, out: np.ndarray,
-               first: int = 0) -> bool:
+               first: int) -> bool:
     """Row r of ``out``: ``template``, chunk ``first`` + r, then fields r*elems .. (r+1)*elems - 1 packed at
     ``width`` (1, 2, 4 or 8 bits, MSB first; ``elems * width`` a multiple of 8), zeros past the fields' end.
     Returns False if a field is 2^width or more (the rows are then unfinished)."""
