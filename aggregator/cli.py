@@ -68,9 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the state table as one compiled loop (numba; default) or as numpy batch operations; "
                         "--role leaf also takes reference (the reference leaf, one datagram at a time)")
     p.add_argument("--busy-poll", action="store_true", help="spin on the socket instead of sleeping in select")
-    p.add_argument("--gro", action="store_true",
+    p.add_argument("--gro", action=argparse.BooleanOptionalAction, default=True,
                    help="read runs of datagrams that arrive whole as one message (UDP_GRO), where the kernel "
-                        "has it; off by default (docs/aggregator.md)")
+                        "has it (default: on; --no-gro reads datagram by datagram; docs/aggregator.md)")
     p.add_argument("--stats-interval", type=float_in(0, 86400), default=0.0, metavar="SECONDS",
                    help="print packets/s, elements/s, drops, stragglers and completions every SECONDS")
     p.add_argument("--metrics-port", type=port_number,
@@ -104,7 +104,8 @@ def _refused(exc: Exception) -> int:
 
 def serve_tier(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``--role leaf|spine``: serve a tier of two-tier jobs until a signal."""
-    given = [f"--{name.replace('_', '-')}" for name in _FLAT_ONLY if getattr(args, name) != parser.get_default(name)]
+    given = [f"--{'no-' if getattr(args, name) is False else ''}{name.replace('_', '-')}" for name in _FLAT_ONLY
+             if getattr(args, name) != parser.get_default(name)]
     if args.role == "spine" and args.engine not in (parser.get_default("engine"), "reference"):
         given.append(f"--engine {args.engine} (a spine runs the reference state machine)")
     if given:

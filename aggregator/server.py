@@ -49,9 +49,9 @@ class ServerConfig:
     stride: int = DEFAULT_STRIDE
     multicast: bool = False
     busy_poll: bool = False
-    #: read runs that arrive whole as one message (UDP_GRO) where the kernel has it; off by default: it
-    #: made the DDP step slower where it was measured (docs/aggregator.md)
-    gro: bool = False
+    #: read runs that arrive whole as one message (UDP_GRO) where the kernel has it: less CPU per
+    #: datagram (docs/aggregator.md)
+    gro: bool = True
     stats_interval: float = 0.0
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"  #: the Prometheus endpoint's address: loopback unless asked

@@ -51,11 +51,11 @@ WORKERS = 4
 
 
 def reflector(port_q: mp.Queue, stop: mp.Event) -> None:
-    """Raw reflector: every datagram goes straight back to its sender (batched, same I/O layer, with its
-    segmentation offload as the aggregator has it)."""
-    bs = BatchSocket(udp_socket("127.0.0.1", 0), batch=256, stride=DEFAULT_STRIDE, gso=True)
+    """Raw reflector: every datagram goes straight back to its sender (batched, same I/O layer, with the
+    offloads the aggregator has by default: segmented sends, coalesced receives)."""
+    bs = BatchSocket(udp_socket("127.0.0.1", 0), batch=256, stride=DEFAULT_STRIDE, gso=True, gro=True)
     port_q.put(bs.sock.getsockname()[1])
-    rows = np.arange(256)
+    rows = np.arange(bs.batch)
     while not stop.is_set():
         if not bs.wait(0.05):
             continue

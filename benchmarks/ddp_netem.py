@@ -68,7 +68,7 @@ def model_args(args: argparse.Namespace) -> list[str]:
     return ["--width", str(args.width), "--layers", str(args.layers), "--in-features", str(args.in_features),
             "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--lr", "0.01", "--deadline", "60", "--mtu", str(args.mtu), "--timeout", str(args.timeout),
-            "--slots", str(args.slots), *(["--gro"] if args.gro else [])]
+            "--slots", str(args.slots), "--gro" if args.gro else "--no-gro"]
 
 
 def elems_for(job_kind: str, args: argparse.Namespace) -> int | None:
@@ -176,7 +176,7 @@ def run_all(args: argparse.Namespace) -> list[dict]:
                 agg = None
                 if jobs:
                     agg = start_aggregator(net, job_configs(args), multicast=any(m.endswith("mcast") for m in modes),
-                                           extra=["--gro"] if args.gro else [])
+                                           extra=["--gro" if args.gro else "--no-gro"])
                 for mode in args.modes:
                     cpu = (lambda pid=agg.pid: cpu_seconds(pid)) if agg else None
                     with LossPhases(net, pct, args.loss_phases, cpu) if args.loss_phases else \
@@ -399,8 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "phases differ only in name")
     p.add_argument("--repeats", type=int_in(1, 1000), default=1,
                    help="runs of every configuration, 1..1000 (medians are reported)")
-    p.add_argument("--gro", action="store_true", help="workers and aggregator read runs that arrive whole as one "
-                                                       "message (UDP_GRO); compare with a run without it")
+    p.add_argument("--gro", action=argparse.BooleanOptionalAction, default=True,
+                   help="workers and aggregator read runs that arrive whole as one message (UDP_GRO; default: on, "
+                        "as in thc-aggregator and train_ddp.py); --no-gro to compare with a run without it")
     p.add_argument("--loss-udp-only", action="store_true", help="drop only UDP (gloo's TCP and the rendezvous "
                                                                  "are spared)")
     p.add_argument("--run-timeout", type=float_in(1, 86400), default=300.0,

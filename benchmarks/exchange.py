@@ -10,7 +10,7 @@ machine's speed drifts between minutes).
 
     python -m benchmarks.exchange                     # 2 workers, 4,191,951 4-bit indices, 30 exchanges
     python -m benchmarks.exchange --workers 4 --dim 1048576 --json
-    python -m benchmarks.exchange --gro               # the aggregator with coalesced receives
+    python -m benchmarks.exchange --no-gro            # without coalesced receives (UDP_GRO)
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def worker(w: int, address: tuple[str, int], job: JobConfig, args: argparse.Name
            out: Queue) -> None:
     """One worker: warm up, say so, wait for ``go``, then time ``args.repeats`` exchanges."""
     with Transport(TransportConfig(job, worker=w, aggregator=address, seed=w + 1, drop_up=args.loss,
-                                   drop_down=args.loss)) as tr:
+                                   drop_down=args.loss, gro=args.gro)) as tr:
         idx = np.random.default_rng(w).integers(0, 1 << job.bits, args.dim, dtype=np.uint8)
         for _ in range(args.warmup):
             tr.exchange_indices(idx)
@@ -76,7 +76,7 @@ def measure(args: argparse.Namespace) -> dict:
     """Run the exchanges; per worker the medians of its rows, and the aggregator's CPU per exchange."""
     job = JobConfig(job=1, workers=args.workers, bits=args.bits, slots=args.slots)
     agg = subprocess.Popen([sys.executable, "-m", "aggregator.cli", "--host", "127.0.0.1", "--port", "0",
-                            "--job", job.spec(), *(["--gro"] if args.gro else [])], cwd=ROOT,
+                            "--job", job.spec(), "--gro" if args.gro else "--no-gro"], cwd=ROOT,
                            stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
     procs: list[mp.Process] = []
     try:
@@ -125,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loss", type=float_in(0, 0.5), default=0.0,
                     help="share of the datagrams each worker drops in each direction (the transport's simulated "
                          "loss), 0..0.5 (default 0): what recovering from loss costs the worker's CPU")
-    ap.add_argument("--gro", action="store_true",
-                    help="the aggregator reads the workers' runs of datagrams as one message each (UDP_GRO)")
+    ap.add_argument("--gro", action=argparse.BooleanOptionalAction, default=True,
+                    help="the aggregator and the workers read runs of datagrams as one message each (UDP_GRO; "
+                         "default: on, as thc-aggregator and the transport; --no-gro: datagram by datagram)")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
     res = measure(args)
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{res['workers']} workers, {res['dim']:,} {res['bits']}-bit indices per exchange, K = {res['elems']}, "
           f"{res['loss']:.1%} loss each way, median of {res['repeats']} exchanges"
-          f"{', the aggregator with UDP_GRO' if res['gro'] else ''}")
+          f"{'' if res['gro'] else ', without UDP_GRO'}")
     print(f"{'worker':>6} {'wall ms':>8} {'cpu ms':>7} {'resent':>7} {'probes':>7} {'rx batches':>10}")
     for w, r in enumerate(res["per_worker"]):
         print(f"{w:>6} {r['wall_s'] * 1e3:8.1f} {r['cpu_s'] * 1e3:7.1f} {r['retransmissions']:7.0f} "

@@ -90,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mtu", type=int_in(68, 65535), default=1500,
                    help="path MTU the job's packets must fit, 68..65535 (9000: jumbo frames)")
     p.add_argument("--shards", type=int_in(1, 64), default=1, help="aggregator shards (ports PORT..PORT+P-1), 1..64")
-    p.add_argument("--gro", action="store_true",
-                   help="read runs of answers that arrive whole as one message (UDP_GRO; off by default)")
+    p.add_argument("--gro", action=argparse.BooleanOptionalAction, default=True,
+                   help="read runs of answers that arrive whole as one message (UDP_GRO, where the kernel has it; "
+                        "default: on)")
     p.add_argument("--multicast", metavar="GROUP:PORT", help="results by IP multicast to this group")
     p.add_argument("--loss-policy", choices=("reliable", "zero-fill"), default="reliable")
     p.add_argument("--timeout", type=float_in(1e-4, 60), default=0.05,

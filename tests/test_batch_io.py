@@ -11,7 +11,7 @@ import pytest
 from aggregator.server import ServerConfig
 from aggregator.shard import Shard
 from tests.test_transport import loopback_multicast_problem
-from worker_lib.batch_io import BatchSocket, sockaddr_in, udp_socket
+from worker_lib.batch_io import BatchSocket, _cut_runs, sockaddr_in, udp_socket
 from worker_lib.job import JobConfig
 from worker_lib.udp_offload import gso_available
 
@@ -157,3 +157,44 @@ def test_gro_receive_cuts_runs_back_into_their_datagrams() -> None:
     finally:
         tx.sock.close()
         rx.sock.close()
+
+
+def test_gro_receive_of_single_datagrams_gives_the_batch_asked_for() -> None:
+    """Datagrams sent one per message (no GSO) reach a UDP_GRO socket one per message: one receive still
+    takes at least the ``batch`` the socket was made with (not a quarter of it, the messages one call
+    reads), in order, and the next receive the rest."""
+    rx = BatchSocket(udp_socket("127.0.0.1", 0), batch=128, gro=True)
+    if not rx.gro:
+        pytest.skip("the kernel refuses UDP_GRO (udp(7), Linux 5.0+)")
+    tx = BatchSocket(udp_socket("127.0.0.1", 0), batch=256)
+    try:
+        rng = np.random.default_rng(5)
+        buf = rng.integers(0, 256, (200, 64), dtype=np.uint8)
+        lengths = rng.integers(20, 65, 200)
+        me = np.frombuffer(sockaddr_in(*rx.sock.getsockname()), np.uint8)
+        assert tx.send(buf, np.arange(200), lengths, np.repeat(me[None, :], 200, axis=0)) == 200
+        assert rx.wait(2.0)
+        first = rx.recv()
+        assert 128 <= first < 200, first
+        got = [rx.rx[i, :rx.rx_len[i]].tobytes() for i in range(first)]
+        while len(got) < 200 and rx.wait(2.0):
+            n = rx.recv()
+            got += [rx.rx[i, :rx.rx_len[i]].tobytes() for i in range(n)]
+        assert got == [buf[i, :length].tobytes() for i, length in enumerate(lengths)]
+        assert rx.gro_messages == 0
+    finally:
+        tx.sock.close()
+        rx.sock.close()
+
+
+def test_cutting_a_message_stops_at_the_last_row() -> None:
+    """A message of more datagrams than rows are left (a local sender's run past GSO_SEGMENTS) fills the
+    rows and drops the rest, rather than write past the buffer."""
+    raw = np.arange(2 * 64, dtype=np.uint8).reshape(2, 64) % 251
+    rx, rx_len, rx_addr = np.zeros((3, 16), np.uint8), np.zeros(3, np.int64), np.zeros((3, 16), np.uint8)
+    addrs = np.full((2, 16), 7, np.uint8)
+    n = _cut_runs(raw, np.array([50, 10]), np.array([10, 10]), addrs, rx, rx_len, rx_addr)
+    assert n == 3
+    assert rx_len.tolist() == [10, 10, 10]
+    assert [rx[i, :10].tolist() for i in range(3)] == [raw[0, 10 * i:10 * i + 10].tolist() for i in range(3)]
+    assert (rx_addr == 7).all()

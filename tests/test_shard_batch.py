@@ -14,11 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from aggregator.cli import build_parser
 from aggregator.server import ServerConfig
 from aggregator.shard import Shard
 from tests.test_fuzz import CFG, UNCOMPRESSED, _damaged, _uncompressed_wire, _wire, damage, packet
 from worker_lib.batch_io import sockaddr_in
 from worker_lib.job import JobConfig
+from worker_lib.udp_offload import enable_gro
 from worker_lib.wire import Header, PacketType
 from worker_lib.wire.protocol import Counter, DarCounter
 
@@ -183,5 +185,24 @@ def test_a_gro_shard_takes_every_datagram_one_receive_gives() -> None:
         shard.handle_batch(n)
         assert shard.agg.counters[Counter.RX] == n
         assert shard.agg.counters[Counter.SHORT] == n
+    finally:
+        shard.close()
+
+
+@pytest.mark.parametrize(("argv", "gro"), [([], True), (["--no-gro"], False)])
+def test_a_shard_reads_coalesced_runs_unless_told_not_to(argv: list[str], gro: bool) -> None:
+    """thc-aggregator reads with UDP_GRO by default, where the kernel has it; --no-gro reads datagram by
+    datagram (docs/aggregator.md measures why GRO is the default)."""
+    args = build_parser().parse_args(["--port", "0", *argv])
+    assert args.gro is gro
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with probe:
+        if not enable_gro(probe):
+            pytest.skip("the kernel refuses UDP_GRO (udp(7), Linux 5.0+)")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    shard = Shard(ServerConfig(port=0, jobs=[CFG], **({} if gro else {"gro": False})), sock, 0, [CFG])
+    try:
+        assert shard.io.gro is gro
     finally:
         shard.close()

@@ -390,6 +390,7 @@ def test_a_new_run_on_a_two_tier_job_another_run_used_is_refused() -> None:
     (["--role", "leaf", "--job", "leaves=2:2"], "needs --leaf L"),
     (["--role", "spine", "--job", "workers=4"], "has one tier"),
     (["--role", "spine", "--job", "leaves=2:2", "--shards", "2"], "does not take --shards"),
+    (["--role", "spine", "--job", "leaves=2:2", "--no-gro"], "does not take --no-gro"),
     (["--role", "spine", "--job", "leaves=2:2", "--leaf", "0"], "are for --role leaf"),
     (["--job", "leaves=2:2"], "--role leaf / --role spine"),
     (["--upstream", "127.0.0.1:9"], "are for --role leaf"),

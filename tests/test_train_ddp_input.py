@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from examples.train_ddp import build_parser, check_args, main
+from examples.train_ddp import build_parser, check_args, hook_config, job_config, main
 from tests.cli_support import assert_one_line_refusal, call_main
 
 REFUSALS = [
@@ -66,3 +66,13 @@ def test_warmup_default_leaves_a_timed_step(argv: list[str], warmup: int) -> Non
     """--warmup defaults to 1, or 0 with --steps 1, so the defaults always time at least one step."""
     p = build_parser()
     assert check_args(p, p.parse_args(argv)).warmup == warmup
+
+
+@pytest.mark.parametrize(("argv", "gro"), [([], True), (["--no-gro"], False), (["--gro"], True)])
+def test_the_hook_reads_coalesced_answers_unless_told_not_to(argv: list[str], gro: bool) -> None:
+    """UDP_GRO is on by default (docs/aggregator.md measures why) and --no-gro turns it off, through to the
+    hook's transport settings."""
+    p = build_parser()
+    args = check_args(p, p.parse_args(["--compression", "thc", *argv]))
+    cfg = hook_config(args, job_config(args, 2), [("127.0.0.1", 9451)])
+    assert cfg.gro is gro and cfg.transport_config(0, 2).gro is gro

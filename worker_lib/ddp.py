@@ -101,7 +101,7 @@ class DDPHookConfig:
     error_feedback: bool = True
     overlap: bool = True  #: exchange on a background thread (overlaps backward); False: inside the hook
     seed: int = 0  #: seeds the stochastic quantization (mixed with the rank)
-    gro: bool = False  #: read answers that arrive as one run as one message (UDP_GRO; TransportConfig.gro)
+    gro: bool = True  #: read answers that arrive as one run as one message (UDP_GRO; TransportConfig.gro)
     #: the rotation's signs per step (the paper's) or fixed, with error feedback kept rotated (THCConfig.rotation)
     rotation: Rotation = "per-step"
 

@@ -138,9 +138,9 @@ class TransportConfig:
     window: int | None = None  #: uses in flight (default and maximum: the job's slots)
     congestion_control: bool = True  #: a congestion window below ``window`` (reliable policy only; pacing.py)
     initial_window: int = 16  #: the congestion window's first size, in uses
-    #: read answers that arrive as one run (the aggregator's GSO answers) as one message (UDP_GRO); off
-    #: by default: slower where it was measured (docs/aggregator.md)
-    gro: bool = False
+    #: read answers that arrive as one run (the aggregator's GSO answers) as one message (UDP_GRO) where
+    #: the kernel has it: less CPU per answer (docs/aggregator.md)
+    gro: bool = True
     #: send a run of new uses as one UDP GSO datagram (UDP_SEGMENT) where the kernel has it
     gso: bool = True
     drop_up: float = 0.0  #: simulated loss of sent packets (seeded, for tests and experiments)
