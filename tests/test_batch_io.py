@@ -4,6 +4,7 @@ with and without segmentation offload (runs to one address of one length leave a
 from __future__ import annotations
 
 import socket
+import struct
 import time
 
 import numpy as np
@@ -200,3 +201,30 @@ def test_cutting_a_message_stops_at_the_last_row() -> None:
     assert rx_len.tolist() == [10, 10, 10]
     assert [rx[i, :10].tolist() for i in range(3)] == [raw[0, 10 * i:10 * i + 10].tolist() for i in range(3)]
     assert (rx_addr == 7).all()
+
+
+def test_a_run_longer_than_the_rows_is_cut_short_not_written_past_them() -> None:
+    """A local sender may pass up to 128 segments in one UDP_SEGMENT send (this kernel; the GRO of a NIC stops
+    at 64), and loopback hands the run whole to a UDP_GRO socket: a socket whose rows hold 64 takes the
+    first 64 datagrams and drops the rest, as a full socket buffer would."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    if not gso_available(probe):
+        pytest.skip("the kernel has no UDP_SEGMENT (udp(7), Linux 4.18+)")
+    rx = BatchSocket(udp_socket("127.0.0.1", 0), batch=4, gro=True)
+    if not rx.gro:
+        pytest.skip("the kernel refuses UDP_GRO (udp(7), Linux 5.0+)")
+    try:
+        run = np.arange(128 * 8, dtype=np.uint16).astype(np.uint8)
+        try:
+            probe.sendmsg([run.tobytes()], [(socket.IPPROTO_UDP, 103, struct.pack("=H", 8))], 0,
+                          rx.sock.getsockname())
+        except OSError as exc:
+            pytest.skip(f"the kernel refuses a run of 128 segments ({exc}; Linux before 6.x allows 64)")
+        assert rx.wait(2.0)
+        assert rx.batch == 64
+        assert rx.recv() == 64
+        assert rx.rx_len[:64].tolist() == [8] * 64
+        assert rx.rx[:64, :8].reshape(-1).tolist() == run[:512].tolist()
+    finally:
+        probe.close()
+        rx.sock.close()
