@@ -52,6 +52,7 @@ class RunSpec:
     retries: int = 3
     pcap: Path | None = None  #: per-worker captures (FILE.worker<w>.pcap) when the aggregator is not ours
     leaf_addresses: list[tuple[str, int]] | None = None  #: two tiers: leaf l's address (the workers' aggregators)
+    gro: bool = True  #: workers (and the aggregators started here) read runs of answers whole (UDP_GRO)
 
 
 WORKER_MODULES = ("torch", "worker_lib.allreduce", "worker_lib.thc", "worker_lib.transport")
@@ -81,7 +82,7 @@ def _worker(spec: RunSpec, worker: int, barrier: mp.synchronize.Barrier) -> None
                            more_aggregators=tuple(aggregators[1:]), shards=spec.shards,
                            loss_policy=spec.loss_policy, timeout=spec.timeout, deadline=spec.deadline,
                            drop_up=spec.drop_up, drop_down=spec.drop_down, seed=spec.seed,
-                           multicast=spec.multicast, retries=spec.retries,
+                           multicast=spec.multicast, retries=spec.retries, gro=spec.gro,
                            pcap=worker_pcap(spec.pcap, worker) if spec.pcap is not None else None)
     out = Path(spec.outdir)
     try:
@@ -233,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="path MTU the job's packets must fit (9000: jumbo frames)")
     p.add_argument("--seed", type=int_in(0, (1 << 32) - 1), default=0,
                    help="seed of the gradients, the quantization and the simulated loss")
+    p.add_argument("--gro", action=argparse.BooleanOptionalAction, default=True,
+                   help="workers (and the aggregators started here) read runs of answers that arrive whole as one "
+                        "message (UDP_GRO, where the kernel has it; default: on)")
     p.add_argument("--multicast", metavar="GROUP:PORT",
                    help="results once to this IP multicast group (the started aggregator runs --multicast)")
     p.add_argument("--pcap", type=Path, metavar="FILE",
@@ -277,14 +281,15 @@ def run(args: argparse.Namespace) -> dict:
         else:
             members = [stack.enter_context(local_aggregator(
                 [job], shards=args.shards, multicast=bool(job.multicast), member=(i, args.aggregators),
-                pcap=member_pcap(args.pcap, i, args.aggregators))) for i in range(args.aggregators)]
+                pcap=member_pcap(args.pcap, i, args.aggregators), extra=[] if args.gro else ["--no-gro"]))
+                for i in range(args.aggregators)]
         preload.join()  # no thread may run across the fork
         from worker_lib.transport import TransportConfig, run_nonce
 
         spec = RunSpec(job, members, args.shards, args.dim, args.steps, args.seed, args.loss_policy,
                        args.drop_up, args.drop_down, args.timeout, args.deadline, tmp, run_nonce(), args.multicast,
                        TransportConfig.retries if args.retries is None else args.retries,
-                       args.pcap if args.aggregator else None, leaf_addresses)
+                       args.pcap if args.aggregator else None, leaf_addresses, args.gro)
         ctx = mp.get_context("fork")
         barrier = ctx.Barrier(args.workers)
         procs = [ctx.Process(target=_worker, args=(spec, w, barrier), name=f"thc-worker{w}")
@@ -357,8 +362,8 @@ def summarize(job: JobConfig, args: argparse.Namespace, data: list, wall: float,
         "workers": args.workers, "dim": args.dim, "steps": steps, "loss_policy": args.loss_policy,
         "drop_up": args.drop_up, "drop_down": args.drop_down, "aggregator": where, "shards": args.shards,
         "consistent_average": consistent, "decoded_vs_reference_max_abs": decoded_gap, "lost_chunks": lost_total,
-        "elems": job.elems,
-        "threshold": job.threshold, "multicast": args.multicast, **{k: v for k, v in tot.items() if k != "lost_chunks"},
+        "elems": job.elems, "threshold": job.threshold, "multicast": args.multicast, "gro": args.gro,
+        **{k: v for k, v in tot.items() if k != "lost_chunks"},
     }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from launchers.aggregator_process import listening_port, stop_process
+from worker_lib.udp_offload import enable_gro
 from worker_lib.wire import Header, PacketType
 from worker_lib.wire.pcap import read_pcap
 
@@ -133,3 +135,17 @@ def test_bad_options_get_one_line(argv: list[str], says: str) -> None:
                        timeout=60)
     lines = [ln for ln in r.stderr.splitlines() if ln and not ln.startswith(("usage:", " "))]
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(lines) == 1 and says in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("gro", [True, False])
+def test_answers_come_coalesced_unless_told_not_to(gro: bool) -> None:
+    """The aggregator sends each worker the completions of one batch as one GSO run; with UDP_GRO (the
+    default) the workers read such runs whole, with --no-gro (the workers and the aggregator started here)
+    datagram by datagram. The sums are exact either way."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with probe:
+        if gro and not enable_gro(probe):
+            pytest.skip("the kernel refuses UDP_GRO (udp(7), Linux 5.0+)")
+    s = allreduce("--workers", "2", "--dim", "262144", *([] if gro else ["--no-gro"]))
+    assert s["exact"] is True and s["gro"] is gro
+    assert (s["coalesced_receives"] > 0) is gro, s["coalesced_receives"]

@@ -224,6 +224,8 @@ class TransportStats:
     #: receive system calls that returned datagrams (datagrams per batch = datagrams received / this)
     receive_batches: int = 0
     datagrams_received: int = 0
+    #: received messages that held a run of several datagrams (UDP_GRO: the aggregator's GSO answers, whole)
+    coalesced_receives: int = 0
     lost: list[tuple[int, int]] = field(default_factory=list)  #: (tensor, chunk) given up
 
     def as_dict(self) -> dict[str, float]:
@@ -887,10 +889,12 @@ class Transport:
         one datagram each) and lengths; none when nothing waits. The simulated loss takes its share
         first; accepted datagrams go to the pcap, if any."""
         bs = self._rx[sock.fileno()]
+        runs = bs.gro_messages
         n = bs.recv()
         if n:
             self.stats.receive_batches += 1
             self.stats.datagrams_received += n
+            self.stats.coalesced_receives += bs.gro_messages - runs
         rows, lens, srcs = bs.rx[:n], bs.rx_len[:n], bs.rx_addr[:n]
         if n and self.cfg.drop_down:
             keep = self._rng.random(n) >= self.cfg.drop_down
