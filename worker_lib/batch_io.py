@@ -137,6 +137,8 @@ class BatchSocket:
         self._rx_msgs = _messages(self.rx_addr, self._rx_iov)
         self._rx_msgs_at = self._rx_msgs.ctypes.data  # (numpy's .ctypes costs a microsecond per look)
         self._rx_used = batch  #: rows whose msg_namelen the last recvmmsg may have changed
+        if self.gro:
+            warm_up_gro()
         # Send side (rows of a caller's buffer, to addresses copied into tx_addr).
         self.max_send = max_send or batch * 32
         self.tx_addr = np.zeros((self.max_send, SOCKADDR_IN_BYTES), np.uint8)
@@ -276,6 +278,16 @@ class BatchSocket:
             return False
         self.gso_messages += int(np.count_nonzero(counts > 1))
         return True
+
+
+def warm_up_gro() -> None:
+    """Compile (or load from numba's cache) the coalesced receive's pass now, not in a first receive: seconds
+    the first time, during which a server would neither answer nor stop (``AggregatorServer`` calls it before
+    it announces its port)."""
+    addr = np.zeros((1, SOCKADDR_IN_BYTES), np.uint8)
+    raw = np.zeros((1, 8), np.uint8)
+    _take_runs(np.zeros((1, _WORDS), np.uint64), np.zeros((1, _CMSG_WORDS), np.uint64), raw, addr, 0, raw,
+               np.zeros(1, np.int64), addr, 0)
 
 
 @njit(cache=True, nogil=True)
