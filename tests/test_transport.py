@@ -46,9 +46,12 @@ K = 64
 
 @contextlib.contextmanager
 def serving(*jobs: JobConfig, shards: int = 1, multicast: bool = False) -> Iterator[AggregatorServer]:
-    """An aggregator on a free loopback port, served from a thread, stopped and joined at the end."""
+    """An aggregator on a free loopback port, served from a thread, stopped and joined at the end. It reads
+    datagram by datagram (no UDP_GRO): its thread shares the GIL with the workers', and the timing tests here
+    missed their marks more often with the coalesced receive's extra system calls (each one hands the GIL
+    over); tests/test_allreduce.py and test_shard_batch.py run the default."""
     srv = AggregatorServer(ServerConfig(port=0, jobs=list(jobs), shards=shards, poll_timeout=0.01,
-                                        multicast=multicast), out=lambda s: None)
+                                        multicast=multicast, gro=False), out=lambda s: None)
     th = threading.Thread(target=srv.serve, name="aggregator", daemon=True)
     th.start()
     try:
