@@ -15,7 +15,7 @@ from aggregator.shard import Shard
 from tests.test_transport import loopback_multicast_problem
 from worker_lib.batch_io import BatchSocket, _cut_runs, sockaddr_in, udp_socket
 from worker_lib.job import JobConfig
-from worker_lib.udp_offload import gso_available
+from worker_lib.udp_offload import SOL_UDP, UDP_SEGMENT, gso_available
 
 
 def _receivers(n: int) -> list[socket.socket]:
@@ -129,16 +129,24 @@ def test_a_run_to_a_multicast_group_arrives_as_its_datagrams() -> None:
             m.close()
 
 
+def _gro_receiver(batch: int, *, segmented: bool = False) -> BatchSocket:
+    """A loopback socket that reads with UDP_GRO, ``batch`` datagrams per receive; the test skips where the
+    kernel lacks UDP_GRO, or UDP_SEGMENT where the test sends ``segmented`` runs."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        if segmented and not gso_available(probe):
+            pytest.skip("the kernel has no UDP_SEGMENT (udp(7), Linux 4.18+)")
+    rx = BatchSocket(udp_socket("127.0.0.1", 0), batch=batch, gro=True)
+    if not rx.gro:
+        rx.sock.close()
+        pytest.skip("the kernel refuses UDP_GRO (udp(7), Linux 5.0+)")
+    return rx
+
+
 def test_gro_receive_cuts_runs_back_into_their_datagrams() -> None:
     """A receiver with UDP_GRO gets runs sent with UDP_SEGMENT as one message each and cuts them back:
     the 150 datagrams of one length (runs of 64, 64, 22), then datagrams of other lengths and single ones,
     arrive as the same bytes, lengths, sources and order as sent; some messages did carry several."""
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    if not gso_available(probe):
-        pytest.skip("the kernel has no UDP_SEGMENT (udp(7), Linux 4.18+)")
-    rx = BatchSocket(udp_socket("127.0.0.1", 0), batch=128, gro=True)
-    if not rx.gro:
-        pytest.skip("the kernel refuses UDP_GRO (udp(7), Linux 5.0+)")
+    rx = _gro_receiver(128, segmented=True)
     tx = BatchSocket(udp_socket("127.0.0.1", 0), batch=8, gso=True)
     try:
         rng = np.random.default_rng(3)
@@ -165,9 +173,7 @@ def test_gro_receive_of_single_datagrams_gives_the_batch_asked_for() -> None:
     """Datagrams sent one per message (no GSO) reach a UDP_GRO socket one per message: one receive still
     takes at least the ``batch`` the socket was made with (not a quarter of it, the messages one call
     reads), in order, and the next receive the rest."""
-    rx = BatchSocket(udp_socket("127.0.0.1", 0), batch=128, gro=True)
-    if not rx.gro:
-        pytest.skip("the kernel refuses UDP_GRO (udp(7), Linux 5.0+)")
+    rx = _gro_receiver(128)
     tx = BatchSocket(udp_socket("127.0.0.1", 0), batch=256)
     try:
         rng = np.random.default_rng(5)
@@ -207,17 +213,12 @@ def test_a_run_longer_than_the_rows_is_cut_short_not_written_past_them() -> None
     """A local sender may pass up to 128 segments in one UDP_SEGMENT send (this kernel; the GRO of a NIC stops
     at 64), and loopback hands the run whole to a UDP_GRO socket: a socket whose rows hold 64 takes the
     first 64 datagrams and drops the rest, as a full socket buffer would."""
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    if not gso_available(probe):
-        pytest.skip("the kernel has no UDP_SEGMENT (udp(7), Linux 4.18+)")
-    rx = BatchSocket(udp_socket("127.0.0.1", 0), batch=4, gro=True)
-    if not rx.gro:
-        pytest.skip("the kernel refuses UDP_GRO (udp(7), Linux 5.0+)")
+    rx = _gro_receiver(4, segmented=True)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         run = np.arange(128 * 8, dtype=np.uint16).astype(np.uint8)
         try:
-            probe.sendmsg([run.tobytes()], [(socket.IPPROTO_UDP, 103, struct.pack("=H", 8))], 0,
-                          rx.sock.getsockname())
+            tx.sendmsg([run.tobytes()], [(SOL_UDP, UDP_SEGMENT, struct.pack("=H", 8))], 0, rx.sock.getsockname())
         except OSError as exc:
             pytest.skip(f"the kernel refuses a run of 128 segments ({exc}; Linux before 6.x allows 64)")
         assert rx.wait(2.0)
@@ -226,5 +227,5 @@ def test_a_run_longer_than_the_rows_is_cut_short_not_written_past_them() -> None
         assert rx.rx_len[:64].tolist() == [8] * 64
         assert rx.rx[:64, :8].reshape(-1).tolist() == run[:512].tolist()
     finally:
-        probe.close()
+        tx.close()
         rx.sock.close()
