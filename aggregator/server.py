@@ -26,8 +26,8 @@ from aggregator.control import ControlChannel, ControlConfig, Install
 from aggregator.dar import preload_codecs
 from aggregator.engine import DEFAULT_STRIDE, Aggregator
 from aggregator.metrics import StatsLine, start_metrics
-from aggregator.shard import Shard, bind_shards, shard_process
-from worker_lib.batch_io import warm_up_gro
+from aggregator.shard import Shard, bind_shards, shard_process, warm_up_shard
+from worker_lib.batch_io import warm_up_io
 from worker_lib.job import JobConfig, load_jobs
 from worker_lib.wire.protocol import Counter, DarCounter
 
@@ -109,8 +109,8 @@ class AggregatorServer:
         self.jobs = self._load_jobs()
         if cfg.engine == "compiled":  # compile (or load from cache) now, before the port is announced: the
             Aggregator(max_batch=1, compiled=True)  # first time takes seconds; shards inherit it (fork)
-        if cfg.gro:
-            warm_up_gro()  # the same for the coalesced receive
+        warm_up_shard()  # the same for the shard's per-batch passes and its socket's
+        warm_up_io(gso=True, gro=cfg.gro)
         self.socks = bind_shards(cfg.host, cfg.port, cfg.shards)
         self.port = self.socks[0].getsockname()[1]
         self.counters = np.zeros((cfg.shards, len(Counter)), np.int64)

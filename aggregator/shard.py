@@ -60,6 +60,15 @@ def _all_at(rx_addr: np.ndarray, rows: np.ndarray, jobs: np.ndarray, workers: np
     return True
 
 
+def warm_up_shard() -> None:
+    """Load the per-batch questions' compiled code (``_any_dar``, ``_all_at``) with the types a batch gives
+    them, before the first batch (``AggregatorServer`` calls it before it announces its port)."""
+    rx, words = np.zeros((1, 8), np.uint8), np.zeros((1, 2), np.uint64)
+    ints = np.zeros(1, np.int64)
+    _any_dar(rx, ints, 1)
+    _all_at(words, ints, ints, ints, 0, words, np.zeros(1, bool))
+
+
 def bind_shards(host: str, port: int, shards: int, attempts: int = 50) -> list[socket.socket]:
     """Bind ``shards`` consecutive UDP ports from ``port`` (port 0: any free consecutive range)."""
     if port != 0:

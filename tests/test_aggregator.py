@@ -455,3 +455,40 @@ def test_the_command_refuses_in_one_line() -> None:
                        timeout=30)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.splitlines()[-1].endswith("--port: must be in 0..65535, got 70000"), r.stderr
+
+
+def test_nothing_is_compiled_or_loaded_after_the_port_is_announced() -> None:
+    """Every compiled pass a batch uses is loaded before the aggregator announces its port: with numba's
+    cache log on (NUMBA_DEBUG_CACHE), nothing is loaded or compiled while two workers exchange a window
+    of uses, read coalesced and answered as segmentation-offload runs. Loaded lazily, three passes took
+    a fresh aggregator's first batches 20-35 ms: its workers' first window timed out, every use resent,
+    no round trip measured."""
+    cfg = JobConfig(workers=2, slots=8, elems=K)
+    proc = subprocess.Popen([sys.executable, "-m", "aggregator.cli", "--port", "0", "--job", spec(cfg)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "NUMBA_DEBUG_CACHE": "1"})
+    try:
+        before = []
+        for line in proc.stdout:
+            if "listening on" in line:
+                break
+            before.append(line)
+        else:
+            raise AssertionError(f"thc-aggregator did not start: {''.join(before)}")
+        port = listening_port(line)
+        assert any("[cache]" in b for b in before), before  # the log is on: the warm-up's loads show
+        idx = np.random.default_rng(1).integers(0, 16, 16 * K).astype(np.uint8)
+        trs = [Transport(TransportConfig(cfg, worker=w, aggregator=("127.0.0.1", port))) for w in range(2)]
+        res: list[np.ndarray] = []
+        th = threading.Thread(target=lambda: res.append(trs[1].exchange_indices(idx).sums))
+        th.start()
+        res.append(trs[0].exchange_indices(idx).sums)
+        th.join(30)
+        for tr in trs:
+            tr.close()
+        want = lookup_sum(cfg.values(), np.stack([idx, idx])).reshape(-1, K)
+        assert len(res) == 2 and all(np.array_equal(r, want) for r in res)
+    finally:
+        stop_process(proc, timeout=5)
+    after = proc.stdout.read()
+    assert "[cache]" not in after, after

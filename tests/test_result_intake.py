@@ -70,7 +70,7 @@ def test_answers_are_stored_and_everything_else_is_unexpected() -> None:
         datagram(slot=1, rnd=4, key=KEY ^ 1),  # wrong key
         datagram(slot=SLOTS, rnd=4),           # slot out of range
         datagram(slot=9, rnd=4),               # slot with no open use
-        datagram(slot=1, rnd=5),               # stale or future round: pending, unexpected
+        datagram(slot=1, rnd=5),               # stale or future round: unexpected, not pending
         datagram(slot=2, rnd=4, typ=4),        # not a RESULT
         datagram(slot=3, rnd=4, elems=4, values=[1, 2, 3, 4]),  # another K
         datagram(slot=4, rnd=4, width=16),     # another width
@@ -79,7 +79,7 @@ def test_answers_are_stored_and_everything_else_is_unexpected() -> None:
         datagram(slot=1, rnd=4, values=[1] * ELEMS, contributors=1, bitmap=0b10),  # use 17: taken
     ]
     taken, pending, unexpected, finished = st.take(*batch(packets))
-    assert (taken, pending, unexpected) == (2, 7, 11)
+    assert (taken, pending, unexpected) == (2, 6, 11)
     assert finished == [16, 17]
     assert st.sums[16].tolist() == [9, 8, 7, 6, 5, 4, 3, 255]
     assert st.sums[17].tolist() == [1] * ELEMS
@@ -114,12 +114,13 @@ def reference(st: State, packets: list[bytes]) -> tuple[tuple[int, int, int, lis
             continue
         (_v, typ, job, key, _t, _w, contributors, slot, rnd, _tn, _c, elems, width, _f, bitmap) = \
             HEADER.unpack_from(p)
-        if job != JOB or key != KEY or slot >= SLOTS or use_of_slot[slot] < 0 or done[use_of_slot[slot]]:
+        if job != JOB or key != KEY or slot >= SLOTS or use_of_slot[slot] < 0 or done[use_of_slot[slot]] or \
+                rnd != st.rounds[use_of_slot[slot]]:
             unexpected += 1
             continue
         use = int(use_of_slot[slot])
         pending += 1
-        if typ != RESULT or rnd != st.rounds[use] or elems != ELEMS or width != st.width or \
+        if typ != RESULT or elems != ELEMS or width != st.width or \
                 len(p) != HEADER.size + ELEMS * width // 8:
             unexpected += 1
             continue

@@ -1,5 +1,6 @@
-"""Worker transport against a real aggregator server on loopback (served from a thread here, so that
-its counters can be read; tests/test_allreduce.py runs separate processes)."""
+"""Worker transport against a real aggregator server on loopback: served from a thread here, so that its
+counters can be read, or, for the tests that time resends, from a process of its own (``serving_apart``);
+tests/test_allreduce.py runs separate processes throughout."""
 
 from __future__ import annotations
 
@@ -46,12 +47,10 @@ K = 64
 
 @contextlib.contextmanager
 def serving(*jobs: JobConfig, shards: int = 1, multicast: bool = False) -> Iterator[AggregatorServer]:
-    """An aggregator on a free loopback port, served from a thread, stopped and joined at the end. It reads
-    datagram by datagram (no UDP_GRO): its thread shares the GIL with the workers', and the timing tests here
-    missed their marks more often with the coalesced receive's extra system calls (each one hands the GIL
-    over); tests/test_allreduce.py and test_shard_batch.py run the default."""
+    """An aggregator on a free loopback port, served from a thread (its counters can be read), stopped and
+    joined at the end. The tests that time resends use ``serving_apart``."""
     srv = AggregatorServer(ServerConfig(port=0, jobs=list(jobs), shards=shards, poll_timeout=0.01,
-                                        multicast=multicast, gro=False), out=lambda s: None)
+                                        multicast=multicast), out=lambda s: None)
     th = threading.Thread(target=srv.serve, name="aggregator", daemon=True)
     th.start()
     try:
@@ -60,6 +59,16 @@ def serving(*jobs: JobConfig, shards: int = 1, multicast: bool = False) -> Itera
         srv.stop()
         th.join(timeout=10)
         assert not th.is_alive(), "the aggregator did not stop"
+
+
+@contextlib.contextmanager
+def serving_apart(*jobs: JobConfig) -> Iterator[int]:
+    """An aggregator in a process of its own (``thc-aggregator``) on a free loopback port; yields the port.
+    For the tests that time resends: served from a thread of this process, the aggregator waited for the
+    GIL behind the workers' threads (up to the 5 ms switch interval at a time), and on a busy machine its
+    answers came late enough to read as losses or stalls."""
+    with local_aggregator(list(jobs)) as (_, port):
+        yield port
 
 
 def run_workers(srv: AggregatorServer, cfg: JobConfig, indices: list[np.ndarray], *, workers: list[int] | None = None,
@@ -690,9 +699,9 @@ def test_a_late_peer_at_the_norm_barrier_teaches_the_pacer_nothing() -> None:
     (10 ms) undoubled. (Before, each expiry at the barrier doubled it: the first data window of a lossy
     run then waited up to 0.8 s per lost use.) A data exchange afterwards does measure the path."""
     cfg = JobConfig(workers=2, slots=8, elems=K)
-    with serving(cfg) as srv, \
-            Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv.port), timeout=0.01)) as t0, \
-            Transport(TransportConfig(cfg, worker=1, aggregator=("127.0.0.1", srv.port), timeout=0.01)) as t1:
+    with serving_apart(cfg) as srv_port, \
+            Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv_port), timeout=0.01)) as t0, \
+            Transport(TransportConfig(cfg, worker=1, aggregator=("127.0.0.1", srv_port), timeout=0.01)) as t1:
         def late() -> None:
             time.sleep(0.3)
             t1.exchange_norm(2.0)
@@ -703,7 +712,9 @@ def test_a_late_peer_at_the_norm_barrier_teaches_the_pacer_nothing() -> None:
         th.join(10)
         assert t0.stats.retransmissions >= 5  # it did wait and resend
         assert t0.pacer.rtt is None and t0.pacer.rto() == 0.01
-        idx = np.zeros(8 * K, np.uint8)
+        # 64 uses: should worker 1's thread start more than a timeout late (a busy machine), the first
+        # window's uses are all resent and measure nothing (Karn), the later ones do
+        idx = np.zeros(64 * K, np.uint8)
         th = threading.Thread(target=t1.exchange_indices, args=(idx,))
         th.start()
         t0.exchange_indices(idx)
@@ -711,29 +722,46 @@ def test_a_late_peer_at_the_norm_barrier_teaches_the_pacer_nothing() -> None:
         assert t0.pacer.rtt is not None
 
 
-def test_a_late_peer_costs_one_probe_per_timeout() -> None:
+@pytest.mark.parametrize("stale", [False, True])
+def test_a_late_peer_costs_one_probe_per_timeout(stale: bool) -> None:
     """Worker 1 starts its exchange 0.3 s after worker 0 (as a slower encoder does in a DDP step), once
     worker 0 knows the round trip: worker 0 resends only its oldest use while it waits (a probe per
     timeout), and nothing else when worker 1 arrives; the answers of the rest are on their way. Before,
-    every timeout resent all 8 open uses. Exact."""
+    every timeout resent all 8 open uses. ``stale``: a late copy of an answer of the first exchange comes
+    as the second starts (the answer to a spurious resend): of another round, it says nothing of the new
+    uses of its slot, and starts no timers (it used to: every use went again at the next timeout).
+    Exact."""
     cfg = JobConfig(workers=2, slots=8, elems=K)
     resent: list[int] = []
 
     class Recording(Transport):  # datagram by datagram (gso=False), to see each one
+        kept: tuple[np.ndarray, np.ndarray] | None = None  #: an answer of the first exchange
+        inject = False
+
         def _send(self, data: bytes, slot: int) -> None:
             if self.recording:
                 resent.append(slot)
             super()._send(data, slot)
 
+        def _receive_batch(self, sock: socket.socket) -> tuple[np.ndarray, np.ndarray]:
+            rows, lens = super()._receive_batch(sock)
+            if len(rows) and self.kept is None:
+                self.kept = (rows[-1:].copy(), lens[-1:].copy())
+            elif self.inject and not len(rows):
+                self.inject = False
+                return self.kept
+            return rows, lens
+
     idx = random_indices(cfg, 8)
-    with serving(cfg) as srv, \
-            Recording(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv.port), gso=False)) as t0, \
-            Recording(TransportConfig(cfg, worker=1, aggregator=("127.0.0.1", srv.port), gso=False)) as t1:
+    with serving_apart(cfg) as srv_port, \
+            Recording(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv_port), gso=False)) as t0, \
+            Recording(TransportConfig(cfg, worker=1, aggregator=("127.0.0.1", srv_port), gso=False)) as t1:
         t0.recording = t1.recording = False
-        th = threading.Thread(target=t1.exchange_indices, args=(idx[1],))
-        th.start()
-        t0.exchange_indices(idx[0])  # both together: worker 0 measures the round trip
-        th.join(10)
+        for _ in range(2):  # both together: worker 0 measures the round trip (a cold numba cache slows the first)
+            th = threading.Thread(target=t1.exchange_indices, args=(idx[1],))
+            th.start()
+            t0.exchange_indices(idx[0])
+            th.join(10)
         assert t0.pacer.rtt is not None
         out: dict[str, UseResults] = {}
 
@@ -743,9 +771,10 @@ def test_a_late_peer_costs_one_probe_per_timeout() -> None:
 
         th = threading.Thread(target=late)
         th.start()
-        t0.recording = True
+        t0.recording, t0.inject = True, stale
         res = t0.exchange_indices(idx[0])
         th.join(10)
+    assert not t0.inject  # the stale answer was read
     first_slot = 8 % cfg.slots  # the second exchange's first use: use 8 of the pool
     assert resent[:8] == [*range(8)], resent[:8]  # the window's first sends
     assert resent[8:] and set(resent[8:]) == {first_slot}, resent
@@ -782,9 +811,9 @@ def test_a_peer_that_stalls_mid_exchange_costs_one_probe_per_timeout() -> None:
                     time.sleep(0.3)
 
     idx = random_indices(cfg, 2 * cfg.slots)
-    with serving(cfg) as srv, \
-            Recording(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv.port), gso=False)) as t0, \
-            Stalling(TransportConfig(cfg, worker=1, aggregator=("127.0.0.1", srv.port), gso=False)) as t1:
+    with serving_apart(cfg) as srv_port, \
+            Recording(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv_port), gso=False)) as t0, \
+            Stalling(TransportConfig(cfg, worker=1, aggregator=("127.0.0.1", srv_port), gso=False)) as t1:
         th = threading.Thread(target=t1.exchange_indices, args=(idx[1],))
         th.start()
         t0.exchange_indices(idx[0])  # both together: worker 0 measures the round trip, its window opens
@@ -865,7 +894,7 @@ def test_adaptive_timeout_stops_spurious_retransmissions() -> None:
     idx = np.random.default_rng(3).integers(0, 16, 64 * K).astype(np.uint8)
     retx = {}
     for adaptive in (False, True):  # a fresh aggregator each: a new worker would find the slots' rounds moved on
-        with serving(cfg) as srv, delaying_relay(srv.port, 0.08) as port, \
+        with serving_apart(cfg) as srv_port, delaying_relay(srv_port, 0.08) as port, \
                 Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=0.01,
                                           adaptive_timeout=adaptive)) as tr:
             res = tr.exchange_indices(idx)
@@ -883,7 +912,7 @@ def test_a_window_queued_behind_a_slow_link_is_not_resent() -> None:
     the first answer after its send, the 256 uses took 2,733 resends (which queued as well). Exact."""
     cfg = JobConfig(workers=1, slots=32, elems=K)
     idx = np.random.default_rng(6).integers(0, 16, 256 * K).astype(np.uint8)
-    with serving(cfg) as srv, delaying_relay(srv.port, 0.0, interval=0.002) as port, \
+    with serving_apart(cfg) as srv_port, delaying_relay(srv_port, 0.0, interval=0.002) as port, \
             Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=0.2,
                                       congestion_control=False, gso=False)) as tr:
         res = tr.exchange_indices(idx)
@@ -912,7 +941,7 @@ def test_answers_waiting_in_the_socket_are_taken_before_resending() -> None:
                 time.sleep(0.1)
             return rows, lens
 
-    with serving(cfg) as srv, delaying_relay(srv.port, 0.0, interval=0.001) as port, \
+    with serving_apart(cfg) as srv_port, delaying_relay(srv_port, 0.0, interval=0.001) as port, \
             Stalled(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=0.03,
                                     adaptive_timeout=False, congestion_control=False)) as tr:
         tr.exchange_indices(idx)
@@ -922,23 +951,34 @@ def test_answers_waiting_in_the_socket_are_taken_before_resending() -> None:
     assert tr.stalled and tr.stats.retransmissions == resent, tr.stats.retransmissions - resent
 
 
-def exchange_losing(nth: int, policy: str, seed: int) -> tuple[list[int], Transport, float]:
-    """One worker exchanges 16 uses (window 4 of 16 slots, 0.2 s timeouts, datagram by datagram) and its
+def exchange_losing(nth: int, policy: str, seed: int, hold_after: int | None = None, window: int = 4,
+                    ) -> tuple[list[int], Transport, float]:
+    """One worker exchanges 16 uses (window ``window`` of 16 slots, 0.2 s timeouts, datagram by datagram) and its
     ``nth`` datagram (from 1) is lost; checks that the sums are exact; returns the slot of every datagram
-    it sent, the transport and the exchange's wall time."""
+    it sent, the transport and the exchange's wall time. ``hold_after``: once it has sent that many
+    datagrams, it stops for 50 ms before it next reads its socket (descheduled), so that the answers
+    waiting then are read in one batch."""
     cfg = JobConfig(workers=1, slots=16, elems=K)
     sent: list[int] = []
 
     class Losing(Transport):  # datagram by datagram (gso=False), to drop the nth
+        held = False
+
         def _send(self, data: bytes, slot: int) -> None:
             sent.append(slot)
             if len(sent) != nth:
                 super()._send(data, slot)
 
+        def _receive_batch(self, sock: socket.socket) -> tuple[np.ndarray, np.ndarray]:
+            if len(sent) == hold_after and not self.held:
+                self.held = True
+                time.sleep(0.05)
+            return super()._receive_batch(sock)
+
     idx = np.random.default_rng(seed).integers(0, 16, 16 * K).astype(np.uint8)
-    with serving(cfg) as srv, Losing(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv.port),
+    with serving_apart(cfg) as srv_port, Losing(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv_port),
                                                      loss_policy=policy, timeout=0.2, min_timeout=0.2,
-                                                     window=4, gso=False)) as tr:
+                                                     window=window, gso=False)) as tr:
         t0 = time.monotonic()
         res = tr.exchange_indices(idx)
         wall = time.monotonic() - t0
@@ -982,6 +1022,19 @@ def test_a_lost_last_use_is_probed_not_left_to_its_timeout(policy: str) -> None:
         assert wall >= 0.15, wall
 
 
+def test_a_lost_last_use_sent_after_the_last_answers_is_probed() -> None:
+    """A window of 5: uses 10..14 go out together, their answers are read in one batch (the worker stopped
+    while they came), and only then is the last use, 15, sent, and lost: nothing is heard after its
+    send. The path had just spoken,
+    though, so the silence after it is a loss: a tail probe resends it long before its 0.2 s timeout.
+    (Only uses the path spoke after were probed; this one waited for its timeout, as happened on a busy
+    machine.)"""
+    sent, tr, wall = exchange_losing(16, "reliable", seed=8, hold_after=15, window=5)
+    assert sent == [*range(16), 15], sent
+    assert tr.held and tr.stats.tail_probes == 1 and tr.stats.retransmissions == 1
+    assert wall < 0.15, wall
+
+
 @pytest.mark.skipif(not gso_available(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)),
                     reason="the kernel has no UDP_SEGMENT (udp(7), Linux 4.18+)")
 def test_resends_leave_as_runs_and_stay_exact() -> None:
@@ -1006,7 +1059,7 @@ def test_resends_leave_as_runs_and_stay_exact() -> None:
             super()._send_run(rows)
 
     idx = np.random.default_rng(7).integers(0, 16, 64 * K).astype(np.uint8)
-    with serving(cfg) as srv, delaying_relay(srv.port, 0.0, drop=first_copy_of_every_fourth) as port, \
+    with serving_apart(cfg) as srv_port, delaying_relay(srv_port, 0.0, drop=first_copy_of_every_fourth) as port, \
             Runs(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=0.05)) as tr:
         res = tr.exchange_indices(idx)
     assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
@@ -1023,7 +1076,7 @@ def test_congestion_window_backs_off_a_full_queue() -> None:
     idx = np.random.default_rng(4).integers(0, 16, 256 * K).astype(np.uint8)
     retx = {}
     for cc in (False, True):
-        with serving(cfg) as srv, delaying_relay(srv.port, 0.04, capacity=12) as port, \
+        with serving_apart(cfg) as srv_port, delaying_relay(srv_port, 0.04, capacity=12) as port, \
                 Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=0.01,
                                           congestion_control=cc)) as tr:
             res = tr.exchange_indices(idx)

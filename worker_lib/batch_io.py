@@ -280,6 +280,24 @@ class BatchSocket:
         return True
 
 
+def warm_up_io(*, gso: bool, gro: bool) -> None:
+    """Load every compiled pass a ``BatchSocket`` with these options sends and receives with, before the
+    first real datagram: two datagrams of one length go from a throwaway socket on loopback to itself (a
+    run, segmented where the kernel has UDP_SEGMENT) and are read back. Loaded lazily, numba's cache took a
+    fresh aggregator's first batches 20-35 ms, long enough for its first workers' uses to time out."""
+    sock = udp_socket("127.0.0.1", 0)
+    try:
+        io = BatchSocket(sock, batch=4, stride=64, gso=gso, gro=gro)
+        to = np.frombuffer(sockaddr_in(*sock.getsockname()), np.uint8)
+        buf = np.zeros((2, 64), np.uint8)
+        io.send(buf, np.arange(2), np.full(2, 8, np.int64), np.stack([to, to]))
+        got = 0
+        while got < 2 and io.wait(1.0):  # loopback delivers at once; the wait only bounds a lost one
+            got += io.recv()
+    finally:
+        sock.close()
+
+
 def warm_up_gro() -> None:
     """Compile (or load from numba's cache) the coalesced receive's pass now, not in a first receive: seconds
     the first time, during which a server would neither answer nor stop (``AggregatorServer`` calls it before

@@ -96,10 +96,13 @@ trip of a use queued behind a window of answers on a 1 Gbit/s link, times ``RTO_
 1 Gbit/s with 1 % loss each way a quarter of the lossy steps waited 30-60 ms at their tail. Once every use
 of an exchange is sent, answers arrive back to back until the queue drains; when none has come for
 ``probe_gap`` (twice the least round trip, at least ``PROBE_MIN_S``), the last ``PROBE_USES`` open uses
-that the path spoke after are resent. An answer to the probe then shows any earlier loss to RACK. A use
-is probed once per time the path speaks after its send; uses that nothing was heard after (a peer that
-has not sent yet, see "Probing") are left to the timers, so a late peer still costs one probe per
-timeout. Reliable mode only: zero-fill's workers keep to one fixed timeout.
+that the path spoke after are resent, and those sent at most a probe gap after it last spoke: answers
+read in one batch (a worker descheduled while they came, or a coalesced receive) can all come before an
+exchange's last sends, and a lost last use then waited for its timeout
+(``test_a_lost_last_use_sent_after_the_last_answers_is_probed``). An answer to the probe then shows any
+earlier loss to RACK. A use is probed once per time the path speaks; uses that nothing was heard after
+or shortly before (a peer that has not sent yet, see "Probing") are left to the timers, so a late peer
+still costs one probe per timeout. Reliable mode only: zero-fill's workers keep to one fixed timeout.
 
 A transport under ``zero-fill`` builds its ``Pacer`` with both adaptations off: its workers must stay in
 step (a chunk one worker gave up must not complete for another), so the timeout stays ``timeout`` and

@@ -43,8 +43,9 @@ def take_results(rows: np.ndarray, lens: np.ndarray, job: int, key: int, use_of_
                  finished: np.ndarray) -> tuple[int, int, int]:
     """Take the answers among ``rows`` (one datagram each, ``lens`` their lengths), in arrival order.
 
-    A datagram of this job and key whose slot holds an open use (``use_of_slot``, not ``done``) is
-    *pending*; it is that use's answer if its type is ``want_type``, its round the use's, its element
+    A datagram of this job and key whose slot holds an open use (``use_of_slot``, not ``done``) and whose
+    round is that use's is *pending* (the path spoke for the use: a late copy of an earlier use of the
+    slot says nothing of this one); it is that use's answer if its type is ``want_type``, its element
     count ``elems``, its width ``width`` and its length the header plus ``elems`` values of that width.
     An answer's values go to ``sums[use]`` (big-endian; 32-bit values as int32 when ``signed``), its
     contributor count and bitmap to ``contrib`` and ``bitmap``; the use is marked done, its slot freed,
@@ -65,11 +66,11 @@ def take_results(rows: np.ndarray, lens: np.ndarray, job: int, key: int, use_of_
             unexpected += 1
             continue
         u = use_of_slot[s]
-        if u < 0 or done[u]:
+        if u < 0 or done[u] or get16(row, _O_ROUND) != rounds[u]:
             unexpected += 1
             continue
         pending += 1
-        if (row[_O_TYPE] != want_type or get16(row, _O_ROUND) != rounds[u] or get16(row, _O_ELEMS) != elems
+        if (row[_O_TYPE] != want_type or get16(row, _O_ELEMS) != elems
                 or row[_O_WIDTH] != width or length != size):
             unexpected += 1
             continue

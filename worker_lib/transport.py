@@ -619,6 +619,7 @@ class Transport:
         use_of_slot = np.full(p.slots, -1, np.int64)  # the pending use of each slot, -1 none
         base = nxt = 0
         last_answer = last_progress = time.monotonic()
+        last_datagram = last_answer  # the latest datagram of any kind: the deadline's message tells the two apart
         done_count = 0  # uses done (answered or given up) when last counted
         # Early retransmission (pacing.py, "Loss seen from later answers"): the latest-sent use answered
         # on its first send, and its round trip. Reliable and paced only: zero-fill's workers must keep
@@ -628,20 +629,27 @@ class Transport:
         # When the first datagram for one of these uses came after use i was (re)sent: its timer starts
         # there, not at the send (pacing.py, "Probing"); until then only the oldest open use is timed.
         heard_since = np.full(count, math.inf)
+        # Whether the path had spoken, in this exchange, at most a probe gap before use i was (re)sent: its
+        # answers then flow, and silence after the send is a loss a tail probe may resend, as silence after
+        # an answer is. Answers read in one batch (a worker descheduled while they arrived, or a coalesced
+        # receive) can all come before an exchange's last sends, and nothing is heard after those.
+        heard_before = np.zeros(count, bool)
+        started = last_answer
 
         probed_for = -math.inf  # last_answer when the tail was last probed, or found with nothing to probe
 
         def tail_probe(base: int, now: float) -> tuple[np.ndarray, float]:
             """The uses a tail probe resends now (pacing.py, "Tail probes"), and when one next may: once every
             use is sent and nothing came for ``Pacer.probe_gap``, the last ``PROBE_USES`` open uses that the
-            path spoke after; one probe per time the path speaks. Array work only when one is due."""
+            path spoke after, or shortly before (``heard_before``); one probe per time the path speaks. Array
+            work only when one is due."""
             nonlocal probed_for
             if not early or nxt < count or last_answer == probed_for:
                 return _NO_USES, math.inf
             at = last_answer + self.pacer.probe_gap()
             if at > now:
                 return _NO_USES, at
-            open_ = np.flatnonzero(~done[base:nxt] & (heard_since[base:nxt] < math.inf))
+            open_ = np.flatnonzero(~done[base:nxt] & ((heard_since[base:nxt] < math.inf) | heard_before[base:nxt]))
             if not open_.size:
                 probed_for = last_answer
                 return _NO_USES, math.inf
@@ -673,6 +681,7 @@ class Transport:
                 # unheard since their sends until it speaks, and the oldest probes it alone. At the end
                 # of an exchange, where a loss has no later answers to show it, every use due is resent.
                 heard_since[base + 1:nxt] = math.inf
+                heard_before[base + 1:nxt] = False
                 n, n_early, next_at = due_uses(*args)
             return due_buf[:n], n_early, next_at
 
@@ -711,6 +720,10 @@ class Transport:
                 self.stats.multicast_results += int(finished.size)
             return float(sent_at[finished].min())
 
+        def flowing(now: float) -> bool:
+            """Whether the path spoke in this exchange at most a probe gap before ``now`` (``heard_before``)."""
+            return last_answer > started and now - last_answer <= self.pacer.probe_gap()
+
         def end() -> np.ndarray:
             self.stats.tail_s += max(0.0, time.monotonic() - all_sent)
             return lost
@@ -718,7 +731,7 @@ class Transport:
         def receive(socks: list[socket.socket]) -> None:
             """Take every answer waiting on ``socks`` (each read until it is empty): mark the uses it
             finishes, feed the pacer, and restart the timers of the uses the path has spoken since."""
-            nonlocal last_answer
+            nonlocal last_answer, last_datagram
             heard = last_answer
             progress = math.inf  # the earliest (last) send of a use answered now
             for sock in socks:
@@ -726,6 +739,7 @@ class Transport:
                     rows, lens = self._receive_batch(sock)
                     if not len(rows):
                         break
+                    last_datagram = time.monotonic()
                     if intake is not None and not has_notice(rows, lens):
                         finished = np.empty(len(rows), np.int64)
                         taken, pending, unexpected = intake(rows, lens, use_of_slot, done, finished)
@@ -740,6 +754,11 @@ class Transport:
                     slot = hv["slot"].astype(np.int64)
                     use = np.where(mine & (slot < p.slots), use_of_slot[np.minimum(slot, p.slots - 1)], -1)
                     use[use >= 0] = np.where(done[use[use >= 0]], -1, use[use >= 0])
+                    # a late copy of an earlier use of the slot (another round) says nothing of this use;
+                    # a straggler notice carries the slot's newer round (checked below)
+                    stale = (use >= 0) & (hv["type"] != PacketType.STRAGGLER) & \
+                        (hv["round"] != rounds[np.maximum(use, 0)])
+                    use[stale] = -1
                     pending = use >= 0
                     self.stats.unexpected += int(np.count_nonzero(~pending))
                     if not pending.any():
@@ -798,6 +817,7 @@ class Transport:
                     for data in packets[i]:
                         self._send(data, int(slots[i]))
             sent_at[nxt:nxt + n] = now
+            heard_before[nxt:nxt + n] = flowing(now)
             nxt += n
             if n and nxt == count:
                 all_sent = time.monotonic()
@@ -835,18 +855,20 @@ class Transport:
                 # must not make this resend look sent earlier than it (RACK would resend it again)
                 sent_at[i] = time.monotonic()
                 heard_since[i] = math.inf
+                heard_before[i] = flowing(sent_at[i])
             if again:
                 self._send_run(block[again])  # a copy: C-contiguous, as sendmsg needs
                 self.stats.retransmissions += len(again)
                 sent_at[again] = time.monotonic()
                 heard_since[again] = math.inf
+                heard_before[again] = flowing(sent_at[again[0]])
             if (now_done := int(np.count_nonzero(done))) != done_count:
                 done_count, last_progress = now_done, now
             if now - last_answer > cfg.deadline or now - last_progress > cfg.deadline:
                 where = ", ".join(f"{h}:{p}" for h, p in (cfg.aggregator, *cfg.more_aggregators))
                 # answers that finish nothing (stale rounds, notices of no newer round) must not hold a
                 # worker past its deadline either
-                heard = "no answer" if now - last_answer > cfg.deadline else "no use answered or given up"
+                heard = "no answer" if now - last_datagram > cfg.deadline else "no use answered or given up"
                 raise AggregatorUnreachable(
                     f"worker {cfg.worker}: {heard} from the aggregator at {where} (shards={cfg.shards}) "
                     f"for {cfg.deadline:.1f} s: is thc-aggregator running there with {what}, and are the job's "
