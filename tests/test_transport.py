@@ -1024,11 +1024,10 @@ def test_a_lost_last_use_is_probed_not_left_to_its_timeout(policy: str) -> None:
 
 def test_a_lost_last_use_sent_after_the_last_answers_is_probed() -> None:
     """A window of 5: uses 10..14 go out together, their answers are read in one batch (the worker stopped
-    while they came), and only then is the last use, 15, sent, and lost: nothing is heard after its
-    send. The path had just spoken,
-    though, so the silence after it is a loss: a tail probe resends it long before its 0.2 s timeout.
-    (Only uses the path spoke after were probed; this one waited for its timeout, as happened on a busy
-    machine.)"""
+    while they came), and only then is the last use, 15, sent, and lost: nothing is heard after its send.
+    The path had just spoken, though, so the silence after it is a loss: a tail probe resends it long
+    before its 0.2 s timeout. (Only uses the path spoke after were probed; this one waited for its
+    timeout, as happened on a busy machine.)"""
     sent, tr, wall = exchange_losing(16, "reliable", seed=8, hold_after=15, window=5)
     assert sent == [*range(16), 15], sent
     assert tr.held and tr.stats.tail_probes == 1 and tr.stats.retransmissions == 1

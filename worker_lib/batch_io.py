@@ -300,8 +300,8 @@ def warm_up_io(*, gso: bool, gro: bool) -> None:
 
 def warm_up_gro() -> None:
     """Compile (or load from numba's cache) the coalesced receive's pass now, not in a first receive: seconds
-    the first time, during which a server would neither answer nor stop (``AggregatorServer`` calls it before
-    it announces its port)."""
+    the first time, during which a worker's first exchange waits (a ``BatchSocket`` with ``gro`` calls it when
+    made; the aggregator's start goes through ``warm_up_io``, which makes one)."""
     addr = np.zeros((1, SOCKADDR_IN_BYTES), np.uint8)
     raw = np.zeros((1, 8), np.uint8)
     _take_runs(np.zeros((1, _WORDS), np.uint64), np.zeros((1, _CMSG_WORDS), np.uint64), raw, addr, 0, raw,

@@ -720,9 +720,12 @@ class Transport:
                 self.stats.multicast_results += int(finished.size)
             return float(sent_at[finished].min())
 
-        def flowing(now: float) -> bool:
-            """Whether the path spoke in this exchange at most a probe gap before ``now`` (``heard_before``)."""
-            return last_answer > started and now - last_answer <= self.pacer.probe_gap()
+        def stamp_sent(uses: int | slice | list[int], at: float) -> None:
+            """Uses ``uses`` were (re)sent at ``at``: nothing heard since, and whether the path had just spoken
+            in this exchange, at most a probe gap before (``heard_before``)."""
+            sent_at[uses] = at
+            heard_since[uses] = math.inf
+            heard_before[uses] = last_answer > started and at - last_answer <= self.pacer.probe_gap()
 
         def end() -> np.ndarray:
             self.stats.tail_s += max(0.0, time.monotonic() - all_sent)
@@ -816,8 +819,7 @@ class Transport:
                 for i in range(nxt, nxt + n):
                     for data in packets[i]:
                         self._send(data, int(slots[i]))
-            sent_at[nxt:nxt + n] = now
-            heard_before[nxt:nxt + n] = flowing(now)
+            stamp_sent(slice(nxt, nxt + n), now)
             nxt += n
             if n and nxt == count:
                 all_sent = time.monotonic()
@@ -853,15 +855,11 @@ class Transport:
                     self._send(packets[i][k], int(slots[i]))
                 # stamped after this pass's first sends, which left before it: an answer to one of those
                 # must not make this resend look sent earlier than it (RACK would resend it again)
-                sent_at[i] = time.monotonic()
-                heard_since[i] = math.inf
-                heard_before[i] = flowing(sent_at[i])
+                stamp_sent(i, time.monotonic())
             if again:
                 self._send_run(block[again])  # a copy: C-contiguous, as sendmsg needs
                 self.stats.retransmissions += len(again)
-                sent_at[again] = time.monotonic()
-                heard_since[again] = math.inf
-                heard_before[again] = flowing(sent_at[again[0]])
+                stamp_sent(again, time.monotonic())
             if (now_done := int(np.count_nonzero(done))) != done_count:
                 done_count, last_progress = now_done, now
             if now - last_answer > cfg.deadline or now - last_progress > cfg.deadline:
