@@ -96,17 +96,46 @@ def _group_sums(vals: np.ndarray, start: np.ndarray) -> np.ndarray:
     return out
 
 
-class JobState:
-    """Registers of one job, all allocated when the job is configured."""
+#: a word of two registers, by the register's size in bytes
+_PAIR = {1: np.dtype(np.uint16), 2: np.dtype(np.uint32), 4: np.dtype(np.int64)}
 
-    def __init__(self, cfg: JobConfig) -> None:
+
+def bank_dtype(cfg: JobConfig) -> np.dtype:
+    """The narrowest register that gives a job's results exactly: a THC job's result carries its sums'
+    low ``result_bits`` bits (8 or 16; the job's check keeps its largest sum below 2^result_bits), and
+    unsigned adds modulo 2^8 or 2^16 give those bits, as int32 adds do; uncompressed jobs sum int32.
+
+    Why: a job's banks are slots x 2 x K registers, touched once per use and cycled through the whole
+    slot pool, so they stream through the cache. The DDP benchmark's job (2,048 slots, K = 1,440) held
+    23.6 MB of int32 banks, more than the L2 and most of the L3; as bytes, 5.9 MB, and the compiled state
+    table handled 1.37-1.39x the packets/s (``python -m benchmarks.engine --workers 2 --slots 2048 --elems
+    1440``, which runs both)."""
+    if cfg.kind == "thc" and cfg.result_bits in (8, 16):
+        return np.dtype(np.uint8 if cfg.result_bits == 8 else np.uint16)
+    return np.dtype(np.int32)
+
+
+class JobState:
+    """Registers of one job, all allocated when the job is configured. ``narrow``: banks of
+    ``bank_dtype`` (the compiled engine's); otherwise int32, as the reference's and the numpy paths'."""
+
+    def __init__(self, cfg: JobConfig, *, narrow: bool = False) -> None:
         self.cfg = cfg
         s, k = cfg.slots, cfg.elems
         self.values = cfg.values() if cfg.kind == "thc" else None
-        self.table32 = (self.values if self.values is not None else np.zeros(1)).astype(np.int32)  # compiled path
         self.byte_lut = _byte_lut(self.values, cfg.bits) if self.values is not None else None
         self.value_dtype = _value_dtype(self.values) if self.values is not None else np.dtype(np.int32)
-        self.sums = np.zeros((s, 2, k), np.int32)
+        self.sums = np.zeros((s, 2, k), bank_dtype(cfg) if narrow else np.int32)
+        #: the table in the banks' type (the compiled path adds its entries into the banks)
+        self.bank_values = (self.values if self.values is not None else np.zeros(1)).astype(self.sums.dtype)
+        #: the banks as words of two registers, and the values of a byte's two 4-bit indices as one such word
+        #: (aggregator.compiled's 4-bit loop; empty for other jobs)
+        self.sum_pairs = self.sums.view(_PAIR[self.sums.itemsize])
+        self.pair_values = np.zeros(0, self.sum_pairs.dtype)
+        if self.values is not None and cfg.bits == 4:
+            both = np.empty((256, 2), self.sums.dtype)
+            both[:, 0], both[:, 1] = self.bank_values[np.arange(256) >> 4], self.bank_values[np.arange(256) & 15]
+            self.pair_values = both.view(self.sum_pairs.dtype).reshape(256)
         self.prefault = populate_in_background(self.sums)  #: maps the banks' pages (aggregator/prefault.py)
         self.norm = np.zeros(2 * s, np.int64)
         self.used = np.zeros(s, bool)
@@ -152,17 +181,20 @@ class Aggregator:
     batch are applied slot group by slot group when there are at least ``group_min`` of them; fewer
     walk the state table one by one, which costs less than the grouping's fixed overhead. Batches of
     fewer than ``scalar_below`` packets are also validated one by one, in plain Python: for a few
-    packets, numpy's fixed cost per call would be most of the work.
+    packets, numpy's fixed cost per call would be most of the work. ``compiled``: the checks and the state
+    table in compiled loops (aggregator.compiled), with banks of ``bank_dtype`` unless ``narrow_banks`` is
+    False (int32, as the numpy paths'; for comparing the two).
     """
 
     def __init__(self, jobs: Iterable[JobConfig] = (), *, shard: int = 0, shards: int = 1,
                  max_batch: int = 256, stride: int = DEFAULT_STRIDE, group_min: int = 16,
-                 scalar_below: int = 32, compiled: bool = False) -> None:
+                 scalar_below: int = 32, compiled: bool = False, narrow_banks: bool = True) -> None:
         if not 0 <= shard < shards:
             raise ValueError(f"shard {shard} is not in 0..{shards - 1}")
         self.shard, self.shards, self.max_batch, self.stride = shard, shards, max_batch, stride
         self.group_min, self.scalar_below = group_min, scalar_below
         self.compiled = compiled
+        self.narrow_banks = compiled and narrow_banks  #: the compiled engine's banks of ``bank_dtype``
         self.counters = np.zeros(len(Counter), np.int64)
         self.jobs: dict[int, JobState] = {}
         # Per-job-id parameters of the validation (fixed size: job ids are 16 bits), one row each: known
@@ -204,7 +236,7 @@ class Aggregator:
             raise JobConfigError(f"job {cfg.job}: packets of {HEADER_BYTES + cfg.data_bytes} bytes exceed "
                                  f"the aggregator's buffer stride {self.stride}")
         j = cfg.job
-        self.jobs[j] = JobState(cfg)
+        self.jobs[j] = JobState(cfg, narrow=self.narrow_banks)
         self._known[j] = 1
         self._key[j] = cfg.key
         self._table[j] = cfg.table_id
@@ -371,9 +403,9 @@ class Aggregator:
             rows = good if one_job else good[job[good] == j]
             out.count = self._apply_rows(
                 rows, f["typ"], f["worker"], f["slot"], f["rnd"], f["norm_bits"], buf, j, cfg.kind == "thc",
-                cfg.bits, cfg.elems, cfg.threshold, cfg.result_bits, js.table32, js.used, js.cur_round,
-                js.bank_round, js.bitmap, js.count, js.complete, js.kind, js.norm, js.sums, out.buf, out.length,
-                out.src, out.fanout, out.job, out.count, self.counters)
+                cfg.bits, cfg.elems, cfg.threshold, cfg.result_bits, js.bank_values, js.pair_values, js.used,
+                js.cur_round, js.bank_round, js.bitmap, js.count, js.complete, js.kind, js.norm, js.sums, js.sum_pairs,
+                out.buf, out.length, out.src, out.fanout, out.job, out.count, self.counters)
         return out
 
     @staticmethod

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -94,6 +95,9 @@ CASES = [
     ("exchange", ["--bits", "9"], "--bits: must be in 1..8, got 9"),
     # benchmarks.engine
     ("engine", ["--batches", "0"], "--batches: must be in 1..1000000, got 0"),
+    ("engine", ["--slots", "100"], "--slots must be a multiple of 64, got 100"),
+    ("engine", ["--elems", "12"], "--elems must be multiples of 8"),
+    ("engine", ["--workers", "33"], "--workers: must be in 1..32, got 33"),
     # benchmarks.tiers
     ("tiers", ["--batches", "0"], "--batches: must be in 1..100000, got 0"),
     ("tiers", ["--elems", "12"], "--elems must be a multiple of 8"),
@@ -172,6 +176,17 @@ def test_ddp_netem_loss_report_says_where_the_extra_goes(capsys: pytest.CaptureF
     # lossless 155.0 ms, lossy 172.0 (+17.0); resent: 100 datagrams of 1500 B per step at 1 Gbit/s = 1.2 ms;
     # noise 10.0 (max - min of 2); tail 17.0 - 11.0 = 6.0 ms; slots 5.0 - 0 = 5.0 ms
     assert last == ["1000", "1", "thc", "155.0", "172.0", "17.0", "1.2", "10.0", "NO", "6.0", "5.0"]
+
+
+def test_engine_benchmark_cycles_a_slot_pool_and_compares_bank_types(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks.engine --slots: batches on the next 64 slots of the pool, rounds advancing at each wrap (it
+    stops unless every slot of every batch completes), with both bank types of the compiled engine."""
+    from benchmarks.engine import main
+
+    assert main(["--batches", "5", "--workers", "2", "--slots", "128", "--elems", "64", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["elems"] == 64
+    assert all(row[k] > 0 for k in ("numpy_packets_per_s", "compiled_packets_per_s", "int32_banks_packets_per_s"))
 
 
 def test_tier_benchmark_times_every_role_on_the_same_rounds() -> None:
