@@ -24,7 +24,7 @@ import numpy as np
 from aggregator.engine import Aggregator
 from aggregator.leaf_engine import LeafEngine
 from aggregator.tiers import Dest, LeafAggregator, SpineAggregator
-from benchmarks.engine import SLOTS_PER_BATCH, WORKERS, batch
+from benchmarks.engine import SLOTS_PER_BATCH, batch
 from worker_lib.cli.args import int_in
 from worker_lib.job import JobConfig
 from worker_lib.wire import Header
@@ -32,6 +32,7 @@ from worker_lib.wire.protocol import Counter
 from worker_lib.wire.serializer import batch_of
 
 LEAVES = 2
+WORKERS = 4  #: per leaf
 
 
 def _packets(buf: np.ndarray, lens: np.ndarray, rnd: int) -> list[bytes]:
