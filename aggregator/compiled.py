@@ -122,7 +122,7 @@ def _add_payload(buf: np.ndarray, i: int, thc: bool, bits: int, elems: int, valu
     its indices as the two registers of one word twice as wide, added into ``pair_bank`` (the same bank
     seen as such words). No carry crosses from one register into the other: a register never exceeds the
     job's largest sum, which its check keeps below 2^result_bits (``JobConfig``). One lookup, load, add and
-    store per two elements: 4.5-5.0e9 elements/s on one core against 2.9e9 for two lookups per byte (K =
+    store per two elements: 5.1e9 elements/s on one core against 2.4-3.2e9 for two lookups per byte (K =
     8192, ``python -m benchmarks.engine``; docs/aggregator.md). Other widths look each index up."""
     if not thc:
         for e in range(elems):

@@ -108,7 +108,7 @@ def bank_dtype(cfg: JobConfig) -> np.dtype:
     Why: a job's banks are slots x 2 x K registers, touched once per use and cycled through the whole
     slot pool, so they stream through the cache. The DDP benchmark's job (2,048 slots, K = 1,440) held
     23.6 MB of int32 banks, more than the L2 and most of the L3; as bytes, 5.9 MB, and the compiled state
-    table handled 1.37-1.39x the packets/s (``python -m benchmarks.engine --workers 2 --slots 2048 --elems
+    table handled 1.5-1.8x the packets/s (``python -m benchmarks.engine --workers 2 --slots 2048 --elems
     1440``, which runs both)."""
     if cfg.kind == "thc" and cfg.result_bits in (8, 16):
         return np.dtype(np.uint8 if cfg.result_bits == 8 else np.uint16)
