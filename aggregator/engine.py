@@ -52,18 +52,18 @@ def _value_dtype(values: np.ndarray) -> np.dtype:
     return np.dtype(np.uint8 if top < 1 << 8 else np.uint16 if top < 1 << 16 else np.int32)
 
 
-def _byte_lut(values: np.ndarray, bits: int) -> np.ndarray | None:
+def _byte_lut(values: np.ndarray, bits: int, dtype: np.dtype | None = None) -> np.ndarray | None:
     """Table lookup of a whole payload byte at once: byte -> the 8/b table values it packs.
 
-    Returned as a (256,) array with one item of 8/b values (of ``_value_dtype``) per byte, so that one
-    gather over the packed payload yields the values in order (then viewed as that type). None when
-    b does not divide 8 (then the indices are unpacked first).
+    Returned as a (256,) array with one item of 8/b values (of ``dtype``, ``_value_dtype`` by default) per
+    byte, so that one gather over the packed payload yields the values in order (then viewed as that type).
+    None when b does not divide 8 (then the indices are unpacked first).
     """
     if 8 % bits:
         return None
     per = 8 // bits
     mask = (1 << bits) - 1
-    vdt = _value_dtype(values)
+    vdt = _value_dtype(values) if dtype is None else np.dtype(dtype)
     byte = np.arange(256)
     lut = np.stack([values[(byte >> (8 - bits * (k + 1))) & mask] for k in range(per)], axis=1).astype(vdt)
     size = per * vdt.itemsize
@@ -96,10 +96,6 @@ def _group_sums(vals: np.ndarray, start: np.ndarray) -> np.ndarray:
     return out
 
 
-#: a word of two registers, by the register's size in bytes
-_PAIR = {1: np.dtype(np.uint16), 2: np.dtype(np.uint32), 4: np.dtype(np.int64)}
-
-
 def bank_dtype(cfg: JobConfig) -> np.dtype:
     """The narrowest register that gives a job's results exactly: a THC job's result carries its sums'
     low ``result_bits`` bits (8 or 16; the job's check keeps its largest sum below 2^result_bits), and
@@ -129,13 +125,10 @@ class JobState:
         #: the table in the banks' type (the compiled path adds its entries into the banks)
         self.bank_values = (self.values if self.values is not None else np.zeros(1)).astype(self.sums.dtype)
         #: the banks as words of two registers, and the values of a byte's two 4-bit indices as one such word
-        #: (aggregator.compiled's 4-bit loop; empty for other jobs)
-        self.sum_pairs = self.sums.view(_PAIR[self.sums.itemsize])
-        self.pair_values = np.zeros(0, self.sum_pairs.dtype)
-        if self.values is not None and cfg.bits == 4:
-            both = np.empty((256, 2), self.sums.dtype)
-            both[:, 0], both[:, 1] = self.bank_values[np.arange(256) >> 4], self.bank_values[np.arange(256) & 15]
-            self.pair_values = both.view(self.sum_pairs.dtype).reshape(256)
+        #: (``_byte_lut`` in the banks' type; aggregator.compiled's 4-bit loop; empty for other jobs)
+        self.sum_pairs = self.sums.view(f"u{2 * self.sums.itemsize}")
+        self.pair_values = (_byte_lut(self.values, 4, self.sums.dtype) if self.values is not None and cfg.bits == 4
+                            else np.zeros(0, self.sum_pairs.dtype))
         self.prefault = populate_in_background(self.sums)  #: maps the banks' pages (aggregator/prefault.py)
         self.norm = np.zeros(2 * s, np.int64)
         self.used = np.zeros(s, bool)
