@@ -42,7 +42,7 @@ from scapy.packet import Raw
 
 from aggregator.p4rt import ThcSwitch
 from p4gen.bmv2 import Geometry
-from topologies.bmv2 import Bmv2Config, Bmv2Switch, compile_program
+from topologies.bmv2 import CONTROL_TIMEOUT, Bmv2Config, Bmv2Switch, compile_program
 from topologies.netns import PACKET_OUTGOING
 from topologies.nsstar import SERVICE_IP, SWITCH_MAC, NsStar
 from worker_lib.cli.args import int_in
@@ -92,7 +92,7 @@ def run(workers: int, chunks: int, elems: int, bits: int, slots: int, workdir: P
     with NsStar(workers, prefix=f"thcbn{os.getpid() % 10000}") as star:
         sw = Bmv2Switch(Bmv2Config(star.interfaces, workdir / "switch", netns=star.switch_ns, pcap=False,
                                    log_level="off"))
-        with sw, ThcSwitch(sw.address) as ctl:
+        with sw, ThcSwitch(sw.address, timeout=CONTROL_TIMEOUT) as ctl:
             ctl.load(prog.p4info, prog.json)
             ctl.add_service(SERVICE_IP, SWITCH_MAC)
             for prefix, mac, port in star.routes():

@@ -40,7 +40,7 @@ from aggregator.p4rt import SwitchRejected, ThcSwitch
 from aggregator.state import ReferenceAggregator
 from tests.p4_support import need_root, need_tools
 from tests.scenarios import A_B, JOB, SCENARIOS, A, B, C, scenario_packet
-from topologies.bmv2 import Bmv2Config, Bmv2Switch, CompiledProgram, compile_program
+from topologies.bmv2 import CONTROL_TIMEOUT, Bmv2Config, Bmv2Switch, CompiledProgram, compile_program
 from topologies.netns import PACKET_OUTGOING
 from topologies.nsstar import SERVICE_IP, SWITCH_MAC, Host, NsStar
 from topologies.worker import worker_indices, worker_norm
@@ -139,7 +139,7 @@ def running_rig(program: CompiledProgram, work: Path, prefix: str) -> Iterator[R
     ctl = None
     try:
         switch.start()
-        ctl = ThcSwitch(switch.address)
+        ctl = ThcSwitch(switch.address, timeout=CONTROL_TIMEOUT)
         for h in star.hosts:
             socks[h.port] = h.ns.raw_socket(h.ifname)
         yield Rig(star, switch, ctl, program, socks)

@@ -78,6 +78,11 @@ def compile_program(outdir: Path, *, elems: int = 32, bits: int = 4, result_bits
     return compile_p4(src, outdir, timeout=timeout)
 
 
+#: Seconds a controller of a switch started here waits for its P4Runtime server and for each call: a
+#: switch that starts while the test suite keeps both cores busy can take more than the library's 10 s.
+CONTROL_TIMEOUT = 30.0
+
+
 @dataclass
 class Bmv2Config:
     """How to start one simple_switch_grpc: ports (port number -> interface), where its gRPC server

@@ -1,27 +1,23 @@
 """A Mininet switch node running BMv2 simple_switch_grpc, and the star network of topologies.star.
 
 Imported only when Mininet is available (Debian's ``mininet`` package, a module of /usr/bin/python3).
-The node starts simple_switch_grpc with its log and per-port pcap files in ``workdir`` and its
-P4Runtime server on a TCP port of the root namespace (Mininet switches live there), and the controller
-waits for that port by polling (aggregator.p4rt.wait_for_port).
+The node starts simple_switch_grpc (topologies.bmv2.Bmv2Switch) with its log and per-port pcap files in
+``workdir`` and its P4Runtime server on a TCP port of the root namespace (Mininet switches live there);
+its start returns once that port accepts connections and the process is still running.
 """
 
 from __future__ import annotations
 
-import logging
 import socket
-import subprocess
 from pathlib import Path
 
 from mininet.net import Mininet
 from mininet.node import Switch
 from mininet.topo import Topo
 
-from aggregator.p4rt import SwitchAddress, wait_for_port
-from topologies.bmv2 import find_tool
+from aggregator.p4rt import SwitchAddress
+from topologies.bmv2 import Bmv2Config, Bmv2Switch
 from topologies.nsstar import host_ip, host_mac
-
-log = logging.getLogger(__name__)
 
 
 def free_tcp_port() -> int:
@@ -32,7 +28,10 @@ def free_tcp_port() -> int:
 
 
 class Bmv2Node(Switch):
-    """simple_switch_grpc as a Mininet switch: port i of the switch is its i-th Mininet interface."""
+    """simple_switch_grpc as a Mininet switch: port i of the switch is its i-th Mininet interface.
+
+    The process itself is a topologies.bmv2.Bmv2Switch (one command line, one start-up check for both
+    kinds of topology); this class only maps Mininet's interfaces onto its ports."""
 
     def __init__(self, name: str, workdir: Path, grpc_port: int | None = None, thrift_port: int | None = None,
                  device_id: int = 0, **kw) -> None:
@@ -43,33 +42,17 @@ class Bmv2Node(Switch):
         self.thrift_port = thrift_port if thrift_port is not None else free_tcp_port()
         self.device_id = device_id
         self.address = SwitchAddress("127.0.0.1", self.grpc_port, device_id=device_id)
-        self.proc: subprocess.Popen | None = None
+        self.switch: Bmv2Switch | None = None
 
     def start(self, controllers) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        (self.workdir / "pcap").mkdir(exist_ok=True)
-        cmd = [find_tool("simple_switch_grpc"), "--no-p4", "--device-id", str(self.device_id),
-               "--thrift-port", str(self.thrift_port), "--log-file", str(self.workdir / "simple_switch"),
-               "--pcap", str(self.workdir / "pcap")]
-        for port, intf in self.intfs.items():
-            if intf.name != "lo":
-                cmd += ["-i", f"{port}@{intf.name}"]
-        cmd += ["--", "--grpc-server-addr", f"127.0.0.1:{self.grpc_port}"]
-        self._out = open(self.workdir / "simple_switch.stdout", "wb")  # closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT)
-        wait_for_port("127.0.0.1", self.grpc_port, timeout=30)
+        interfaces = {port: intf.name for port, intf in self.intfs.items() if intf.name != "lo"}
+        self.switch = Bmv2Switch(Bmv2Config(interfaces, self.workdir, device_id=self.device_id,
+                                            grpc_port=self.grpc_port, thrift_port=self.thrift_port))
+        self.switch.start()
 
     def stop(self, deleteIntfs: bool = True) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        if getattr(self, "_out", None) is not None:
-            self._out.close()
-            self._out = None
+        if self.switch is not None:
+            self.switch.stop()
         super().stop(deleteIntfs)
 
 

@@ -25,7 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aggregator.p4rt import SwitchError, ThcSwitch
-from topologies.bmv2 import Bmv2Config, Bmv2Switch, CompiledProgram, ToolMissing, compile_program, find_tool
+from topologies.bmv2 import (
+    CONTROL_TIMEOUT,
+    Bmv2Config,
+    Bmv2Switch,
+    CompiledProgram,
+    ToolMissing,
+    compile_program,
+    find_tool,
+)
 from topologies.nsstar import SERVICE_IP, SWITCH_MAC, NsStar, host_ip, host_mac
 from topologies.worker import MAX_CHUNKS, collect
 from topologies.worker import check_results as check_sums
@@ -93,7 +101,7 @@ def run_netns(run: StarRun) -> dict:
     prog = program_for(run)
     with NsStar(run.workers, prefix=f"thcst{os.getpid() % 10000}") as star:
         sw = Bmv2Switch(Bmv2Config(star.interfaces, run.workdir / "switch", netns=star.switch_ns))
-        with sw, ThcSwitch(sw.address) as ctl:
+        with sw, ThcSwitch(sw.address, timeout=CONTROL_TIMEOUT) as ctl:
             configure(ctl, prog, run, star.routes())
             procs = [h.ns.popen(worker_command(run, h.port, run.workdir / f"w{h.port}.json"), cwd=ROOT,
                                 stderr=subprocess.PIPE, text=True) for h in star.hosts]
@@ -123,7 +131,7 @@ def run_mininet(run: StarRun) -> dict:  # pragma: no cover - needs Mininet and r
             for j in range(run.workers):
                 if j != i:
                     h.cmd(f"arp -s {host_ip(j)} {host_mac(j)}")
-        with ThcSwitch(sw_node.address) as ctl:
+        with ThcSwitch(sw_node.address, timeout=CONTROL_TIMEOUT) as ctl:
             routes = [(f"{host_ip(i)}/32", host_mac(i), i + 1) for i in range(run.workers)]
             configure(ctl, prog, run, routes)
             procs = [h.popen(worker_command(run, i, run.workdir / f"w{i}.json"), cwd=str(ROOT),

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aggregator.p4rt import SwitchError, ThcSwitch, Uplink
-from topologies.bmv2 import CompiledProgram, ToolMissing, compile_program, find_tool
+from topologies.bmv2 import CONTROL_TIMEOUT, CompiledProgram, ToolMissing, compile_program, find_tool
 from topologies.worker import MAX_CHUNKS, check_results, collect
 from worker_lib.cli.args import MAX_SEED, int_in, log_level
 from worker_lib.job import JobConfig, JobConfigError
@@ -206,8 +206,8 @@ def run_tree(run: TreeRun) -> dict:  # pragma: no cover - needs Mininet and root
             spine.cmd(f"ip neigh replace {service_ip(leaf)} lladdr {switch_mac(leaf)} dev hs-eth{leaf} nud permanent")
             spine.cmd(f"ip route replace {service_ip(leaf)}/32 dev hs-eth{leaf}")
         summary: dict = {}
-        ctls = [ThcSwitch(node.address) for node in leaves]
-        spine_ctl = ThcSwitch(spine.address) if run.bmv2_spine else None
+        ctls = [ThcSwitch(node.address, timeout=CONTROL_TIMEOUT) for node in leaves]
+        spine_ctl = ThcSwitch(spine.address, timeout=CONTROL_TIMEOUT) if run.bmv2_spine else None
         try:
             for leaf, ctl in enumerate(ctls):
                 configure_leaf(ctl, prog, run, leaf)
