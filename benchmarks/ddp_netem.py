@@ -129,6 +129,7 @@ def measure(net: Topology, run: Run, job: int, args: argparse.Namespace, agg_pid
             "window_bound_s": hook.get("transport_window_bound_s", 0.0) / steps,
             "tail_s": hook.get("transport_tail_s", 0.0) / steps, "step_marks": s.get("step_marks", []),
             "worker_cpu_s": hook.get("process_cpu_s", 0.0), "hook_cpu_s": per["cpu_s"],
+            "transport": {k[len("transport_"):]: v for k, v in hook.items() if k.startswith("transport_")},
             "datagrams_per_batch": hook.get("transport_datagrams_received", 0) / max(1, hook.get(
                 "transport_receive_batches", 0))}
 

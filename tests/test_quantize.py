@@ -203,35 +203,45 @@ def test_compiled_estimate_is_from_grid_and_checks_the_range(dtype: torch.dtype)
         assert not fused.estimate_into(wrong.numpy(), g * count, step, np.float32(-m), out.numpy())
 
 
-def test_compiled_own_values_are_the_table_lookup_on_the_grid() -> None:
+#: (bits, granularity) of tables the compiled lookups read from two packed words (16 values up to 255:
+#: ``fused._table_words``) and of tables they read from memory (32 values; 16 values beyond 255)
+LOOKUP_TABLES = [(4, 30), (4, 255), (5, 60), (4, 400)]
+
+
+@pytest.mark.parametrize(("bits", "g"), LOOKUP_TABLES)
+def test_compiled_own_values_are_the_table_lookup_on_the_grid(bits: int, g: int) -> None:
     """A worker's own values X_i come from one compiled pass on the CPU; they equal from_grid of the
     torch table lookup exactly, for indices covering the whole table."""
     from worker_lib.thc import THCCodec, THCConfig
     from worker_lib.thc.codec import Encoded
 
-    codec = THCCodec(THCConfig())
-    indices = torch.randint(0, 16, (4101,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
-    enc = Encoded(indices, 1.37, 4101, 4)
+    codec = THCCodec(THCConfig(bits=bits, granularity=g))
+    size = 1 << bits
+    indices = torch.randint(0, size, (4101,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    assert set(indices.tolist()) == set(range(size))
+    enc = Encoded(indices, 1.37, 4101, bits)
     got = codec.own_values(enc, out=torch.empty(4101))
     looked_up = torch.index_select(codec.quantizer.values, 0, indices.to(torch.int32))
-    assert torch.equal(got, from_grid(looked_up, 1, -1.37, 1.37, 30))
+    assert torch.equal(got, from_grid(looked_up, 1, -1.37, 1.37, g))
     assert torch.equal(codec.own_values(enc), got)  # without a destination: the torch path
 
 
-def test_compiled_residual_pass_leaves_what_the_indices_fail_to_carry() -> None:
+@pytest.mark.parametrize(("bits", "g"), LOOKUP_TABLES)
+def test_compiled_residual_pass_leaves_what_the_indices_fail_to_carry(bits: int, g: int) -> None:
     """``quantize_residual_into`` writes the indices ``quantize_into`` writes (same key) and leaves x - X_i
     in x: torch's from_grid of the table lookup subtracted in float32, bit for bit (whole blocks and a
-    partial one)."""
+    partial one), for tables read from packed words and from memory."""
     from worker_lib.thc import fused
 
-    table = solve_table(4, 30, 1 / 32)
+    table = solve_table(bits, g, 1 / 32)
     q = TableQuantizer(table)
     x = torch.randn(4999, generator=torch.Generator().manual_seed(11)) * 2  # beyond +-M as well
-    m, g, key = 3.0, 30, np.uint64(0x0F1E_2D3C_4B5A_6978)
+    m, key = 3.0, np.uint64(0x0F1E_2D3C_4B5A_6978)
     scale = g / (2 * m)
     args = (np.float32(scale), np.float32(m * scale), g, q.slope, q.offset, table.size - 1, key)
     want_idx = np.empty(x.numel(), np.uint8)
     fused.quantize_into(x.numpy(), *args, want_idx)
+    assert np.unique(want_idx).size == table.size  # every value of the table is looked up
     looked_up = torch.index_select(q.values, 0, torch.from_numpy(want_idx).to(torch.int32))
     want = x - from_grid(looked_up, 1, -m, m, g)
     own = (q.values.numpy(), np.float32(2 * m / g), np.float32(-m))

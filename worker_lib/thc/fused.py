@@ -97,14 +97,48 @@ def quantize_residual_into(x: np.ndarray, scale: np.float32, shift: np.float32, 
                            first: int = 0) -> None:
     """``quantize_into``, then res[i] = x[i] - (float32(values[out[i]]) * step + low), block by block: what
     the indices fail to carry in the rotated domain, x - X_i (``lookup_estimate_into``'s X_i, in its
-    arithmetic, then one float32 subtraction); ``res`` may be x itself. The error feedback then needs at most
-    the inverse rotation of the residual (none with a fixed rotation, whose error feedback stays rotated),
-    not a pass that looks the indices up again and another that subtracts (``THCWorker.residual``); the
-    block is still in L1 when its residual is written. ``first`` as ``quantize_into``'s."""
+    arithmetic, then one float32 subtraction); ``res`` is x itself or does not overlap it. The error feedback
+    then needs at most the inverse rotation of the residual (none with a fixed rotation, whose error feedback
+    stays rotated), not a pass that looks the indices up again and another that subtracts
+    (``THCWorker.residual``); the block is still in L1 when its residual is written. ``first`` as
+    ``quantize_into``'s."""
     _quantize(x, scale, shift, granularity, slope, offset, top, key, out, True, values, step, low, res, first)
 
 
 _NO_VALUES = np.zeros(1, np.int32)
+
+# A table of at most 16 values in 0..255 (every table of 4-bit indices on a grid up to 255) is looked up
+# without a load per index: its values are the bytes of two 64-bit words, and index i picks word i // 8 and
+# its byte i % 8 by a select and a shift, which LLVM vectorises where it keeps a lookup from memory scalar
+# (it emits no gathers for this CPU). For the residual pass over 2^22 coordinates: 0.94 against 1.85 ms in
+# the cache. Tables that do not fit keep the loads.
+_BYTE = np.uint64(255)
+_THREE, _SEVEN, _EIGHT = np.uint64(3), np.uint64(7), np.uint64(8)
+
+
+@njit(cache=True, inline="always")
+def _table_words(values: np.ndarray) -> tuple[bool, np.uint64, np.uint64]:
+    """(whether ``values`` fits two words, the words): value k is byte k % 8 of word k // 8."""
+    w0, w1 = np.uint64(0), np.uint64(0)
+    if values.size > 16:
+        return False, w0, w1
+    for k in range(values.size):
+        v = values[k]
+        if v < 0 or v > 255:
+            return False, w0, w1
+        byte = np.uint64(v) << (np.uint64(k % 8) << _THREE)
+        if k < 8:
+            w0 |= byte
+        else:
+            w1 |= byte
+    return True, w0, w1
+
+
+@njit(cache=True, inline="always")
+def _word_value(w0: np.uint64, w1: np.uint64, i: np.uint64) -> np.float32:
+    """Value i of the table ``_table_words`` packed, as float32 (exactly float32 of the table's int32)."""
+    w = w0 if i < _EIGHT else w1
+    return np.float32(np.int32((w >> ((i & _SEVEN) << _THREE)) & _BYTE))
 
 
 @njit(cache=True, inline="always")
@@ -121,6 +155,8 @@ def _quantize(x: np.ndarray, scale: np.float32, shift: np.float32, granularity: 
     ys = np.empty(BLOCK, np.float32)
     cells = np.empty(BLOCK, np.uint32)
     us = np.empty(BLOCK, np.float32)
+    packed, w0, w1 = _table_words(values)
+    in_place = res.ctypes.data == x.ctypes.data
     for s in range(0, x.size, BLOCK):
         m = min(BLOCK, x.size - s)
         xs, os, rs = x[s:s + m], out[s:s + m], res[s:s + m]
@@ -140,9 +176,19 @@ def _quantize(x: np.ndarray, scale: np.float32, shift: np.float32, granularity: 
         for j in range(m):
             c = cells[j]
             os[j] = min(np.int32(ys[j] * slope[c] + offset[c] + us[j]), cap)
-        if residual:
-            for j in range(m):
-                rs[j] = xs[j] - (np.float32(values[os[j]]) * step + low)
+        if residual:  # X_i into ys (free now), then x - X_i: loops that LLVM vectorises (``_table_words``)
+            if packed:
+                for j in range(m):
+                    ys[j] = _word_value(w0, w1, np.uint64(os[j])) * step + low
+            else:
+                for j in range(m):
+                    ys[j] = np.float32(values[os[j]]) * step + low
+            if in_place:  # one array: LLVM's overlap check between two would keep the loop scalar
+                for j in range(m):
+                    xs[j] = xs[j] - ys[j]
+            else:
+                for j in range(m):
+                    rs[j] = xs[j] - ys[j]
 
 
 @njit(cache=True)
@@ -288,5 +334,10 @@ def lookup_estimate_into(indices: np.ndarray, values: np.ndarray, step: np.float
                          out: np.ndarray) -> None:
     """out[i] = float32(values[indices[i]]) * step + low: a worker's own quantized values X_i on the grid
     (``quantize.from_grid`` of the table lookup, its arithmetic in its order) in one pass."""
+    packed, w0, w1 = _table_words(values)
+    if packed:
+        for i in range(indices.size):
+            out[i] = _word_value(w0, w1, np.uint64(indices[i])) * step + low
+        return
     for i in range(indices.size):
         out[i] = np.float32(values[indices[i]]) * step + low
