@@ -172,6 +172,31 @@ def test_residual_taken_twice_or_after_a_second_compress_is_still_its_definition
     assert torch.allclose(decoded.double(), rht.inverse(x_i), atol=1e-5)
 
 
+def test_a_step_whose_error_was_overwritten_cannot_be_quantized_again():
+    """With a caller's error feedback ``begin`` does not keep x = gradient + error: a second quantization makes
+    it from the caller's two tensors (the same indices as a worker given x itself). Once ``residual`` has
+    written into the error passed to ``begin`` (as the DDP hook does), x is gone: quantizing again, or a
+    residual that needs x, raises a clear error instead of using the new error; ``begin`` starts again."""
+    d = 1500
+    g = torch.randn(d, generator=torch.Generator().manual_seed(77))
+    e = torch.full((d,), 0.01)
+    config = THCConfig(error_feedback=False)
+    keeper, plain = THCWorker(config, job=3, seed=6), THCWorker(config, job=3, seed=6)
+    n = keeper.begin(g, 0, 2, error=e)
+    plain.begin(g + e, 0, 2)
+    assert torch.equal(keeper.compress(0, n).indices, plain.compress(0, n).indices)
+    keeper.residual(0, out=e)  # the caller's error becomes the next step's
+    assert not torch.equal(e, torch.full((d,), 0.01))
+    with pytest.raises(RuntimeError, match=r"residual\(\) has overwritten the error feedback passed to begin"):
+        keeper.compress(0, 2 * n)
+    with pytest.raises(RuntimeError, match="call begin"):
+        keeper.residual(0, out=torch.empty(d))
+    n2 = keeper.begin(g, 0, 3, error=e)  # a new step from the new error works
+    assert torch.equal(keeper.compress(0, n2).indices, plain.compress(0, plain.begin(g + e, 0, 3)).indices)
+    keeper.residual(0, out=torch.empty(d))  # the buffer rotated back, the caller's tensors intact: x is made
+    assert torch.equal(keeper.compress(0, 2 * n2).indices, plain.compress(0, 2 * n2).indices)
+
+
 @pytest.mark.parametrize("d", [1024, 1000])
 def test_fixed_rotation_keeps_its_error_rotated_and_telescopes(d: int) -> None:
     """``rotation="fixed"``: one key for every step, the error feedback kept rotated at the padded length,

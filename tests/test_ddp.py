@@ -481,7 +481,7 @@ def test_hook_registration_loads_what_the_first_step_runs(one_worker: OneWorkerJ
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["buckets"] >= 2  # the steps went through the hook
     assert seen["trained"] == seen["registered"]  # nothing loaded inside the steps
-    for name in ("sum_signs_pad_into", "quantize_residual_into", "unscale_signs_into", "estimate_into"):
+    for name in ("sum_signs_pad_only", "quantize_residual_into", "unscale_signs_into", "estimate_into"):
         assert seen["registered"][name], f"{name} was not loaded at registration"
     # registering again on the job the first run used is refused at once (Transport.open_run)
     assert "start each run with a fresh job" in seen["again"], seen["again"]

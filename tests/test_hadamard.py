@@ -126,6 +126,13 @@ def test_compiled_rotation_is_the_torch_composition_bit_for_bit(d):
     got, norm = rht.forward_sum(a, b, x_out, rotated)
     assert got is rotated and torch.equal(rotated, want_sum)
     assert torch.equal(x_out, total) and norm == pytest.approx(exact_norm(total), rel=1e-12)
+    # the sum not kept (x None): the same rotation and norm, the addends untouched
+    a0, b0, rotated = a.clone(), b.clone(), torch.full((padded,), 9.0)
+    got, norm = rht.forward_sum(a, b, None, rotated)
+    assert got is rotated and torch.equal(rotated, want_sum) and norm == pytest.approx(exact_norm(total), rel=1e-12)
+    assert torch.equal(a, a0) and torch.equal(b, b0)
+    got, norm = RandomizedHadamard(d, key, backend="torch").forward_sum(a, b, None)
+    assert torch.allclose(got, want_sum, atol=1e-5) and torch.equal(a, a0) and torch.equal(b, b0)
     assert torch.equal(rht.forward_sum(a, b, a)[0], want_sum) and torch.equal(a, total)
     first, second = total - b, b.clone()  # the torch path, into the second addend
     slow = RandomizedHadamard(d, key, backend="torch")

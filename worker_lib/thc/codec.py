@@ -196,14 +196,16 @@ class THCCodec:
         rotated, norm = buf.rht.forward_norm(x, out=buf.ws.rotated)
         return rotated, checked_norm(norm, x, name)
 
-    def rotate_sum(self, a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, key: SignKey,
+    def rotate_sum(self, a: torch.Tensor, b: torch.Tensor, x: torch.Tensor | None, key: SignKey,
                    buffers: TensorBuffers, name: str = "gradient") -> tuple[torch.Tensor, float]:
-        """x = a + b (flat float32, x may be a or b), its RHT into the buffers' ``rotated`` and x's norm
-        (refused as in ``rotate_norm``), in one compiled pass over memory where the CPU path applies
-        (``RandomizedHadamard.forward_sum``)."""
+        """x = a + b (flat float32, x may be a or b; None: the sum is not kept), its RHT into the buffers'
+        ``rotated`` and x's norm (refused as in ``rotate_norm``), in one compiled pass over memory where the
+        CPU path applies (``RandomizedHadamard.forward_sum``)."""
         buf = buffers.use(key)
         rotated, norm = buf.rht.forward_sum(a, b, x, out=buf.ws.rotated)
-        return rotated, checked_norm(norm, x, name)
+        if x is None and not (math.isfinite(norm) and norm <= FLOAT32_MAX):
+            x = torch.add(a, b)  # made only to say what is wrong with it
+        return rotated, norm if x is None else checked_norm(norm, x, name)
 
     def add_rotated(self, rotated: torch.Tensor, error: torch.Tensor,
                     name: str = "the gradient plus its error feedback") -> float:
@@ -381,7 +383,9 @@ class THCCodec:
 class _TensorState:
     buffers: TensorBuffers
     d: int  # the tensor's length
-    x: torch.Tensor  # per-step rotation: gradient + error feedback, float32 (unused with the fixed rotation)
+    #: per-step rotation: gradient + error feedback, float32 (unused with the fixed rotation); with a caller's
+    #: error feedback only made when a step needs it (``THCWorker._sum``), from ``addends``
+    x: torch.Tensor
     #: error feedback carried to the next step: length d, or with the fixed rotation the padded length D, rotated
     error: torch.Tensor
     #: fixed rotation: where ``compress`` writes this step's residual x_rot - X_i (``finish`` makes it the error)
@@ -396,11 +400,22 @@ class _TensorState:
     #: ``residual``: compress leaves the residual x_rot - X_i in the rotation's buffer for it. (The
     #: worker's own error feedback is updated in ``finish`` after decoding, which reuses that buffer.)
     keeps_error: bool = False
-    #: the rotation's buffer holds this step's residual x_rot - X_i, not yet rotated back (``residual``
-    #: consumes it; decoding reuses the buffer)
-    rotated_residual: bool = False
+    #: what the rotation's buffer holds (per-step rotation): x_rot; this step's residual x_rot - X_i, not
+    #: yet rotated back (``residual`` consumes it); or nothing of use any more (rotated back in place, or
+    #: reused by ``residual``'s lookup or by decoding): ``compress`` rotates x again from the last two
+    buffer: Literal["x_rot", "residual", "spent"] = "x_rot"
     #: fixed rotation: the error the caller passed to ``begin``, which ``compress`` overwrites with the residual
     caller_error: torch.Tensor | None = None
+    #: per-step rotation with a caller's error feedback: (gradient, error) whose sum x is, not written by
+    #: ``begin`` (the step's quantization leaves the residual, which needs no x), None once x is made
+    addends: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: ``residual`` wrote into one of ``addends`` before x was made: x cannot be made any more
+    addends_overwritten: bool = False
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are views of one storage (writing one may change the other)."""
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 @dataclass
@@ -504,9 +519,11 @@ class THCWorker:
                 st.x.copy_(flat)
                 norm = self.codec.rotate_norm(st.x, key, st.buffers)[1]
             else:
-                # the sum into the tensor's buffer (no new 4 bytes per coordinate), rotated and its norm
-                # taken in the same pass (the gradient's own norm is computed only to name a bad gradient)
-                norm = self.codec.rotate_sum(flat, st.error if error is None else error, st.x, key, st.buffers,
+                # the sum, rotated and its norm taken in one pass (the gradient's own norm is computed only to
+                # name a bad gradient); written into the tensor's buffer for the worker's own error feedback,
+                # which ``finish`` computes from it, not for a caller's (``_sum`` makes it if asked)
+                norm = self.codec.rotate_sum(flat, st.error if error is None else error,
+                                             st.x if error is None else None, key, st.buffers,
                                              "the gradient plus its error feedback")[1]
         except ValueError:
             if self._tensors.get(tensor) is st:
@@ -515,9 +532,22 @@ class THCWorker:
             raise
         self._tensors[tensor] = st  # a tensor of a new length replaces its state (and error) only now
         st.key, st.shape, st.dtype, st.encoded, st.norm = key, grad.shape, grad.dtype, None, norm
-        st.keeps_error, st.rotated_residual = error is not None, False
+        st.keeps_error, st.buffer = error is not None, "x_rot"
         st.caller_error = error if self.fixed else None
+        st.addends = (flat, error) if error is not None and not self.fixed else None
+        st.addends_overwritten = False
         return st.norm
+
+    def _sum(self, st: _TensorState) -> torch.Tensor:
+        """This step's x, gradient + error feedback (per-step rotation), made now from the caller's tensors
+        where ``begin`` did not write it; refused once ``residual`` has overwritten one of them."""
+        if st.addends is not None:
+            if st.addends_overwritten:
+                raise RuntimeError("residual() has overwritten the error feedback passed to begin(), which this "
+                                   "step's sum x = gradient + error needs: call begin() again first")
+            torch.add(*st.addends, out=st.x)
+            st.addends = None
+        return st.x
 
     def compress(self, tensor: int, max_norm: float) -> Encoded:
         """Quantize with the job's max norm.
@@ -542,12 +572,11 @@ class THCWorker:
             st.encoded, quantize = self.codec.quantize_rotated_in_pieces(rotated, max_norm, st.d, st.buffers,
                                                                          residual_into=into)
             return st.encoded, quantize
-        if st.rotated_residual:  # quantized again in the same step: the buffer holds the last residual
-            self.codec.rotate_norm(st.x, st.key, st.buffers)  # x_rot again, the same bits
-            st.rotated_residual = False
+        if st.buffer != "x_rot":  # quantized again in the same step: the buffer holds something else now
+            self.codec.rotate_norm(self._sum(st), st.key, st.buffers)  # x_rot again, the same bits
         st.encoded, quantize = self.codec.quantize_rotated_in_pieces(rotated, max_norm, st.d, st.buffers,
                                                                      residual=st.keeps_error)
-        st.rotated_residual = st.keeps_error
+        st.buffer = "residual" if st.keeps_error else "x_rot"
         return st.encoded, quantize
 
     def residual(self, tensor: int, x: torch.Tensor | None = None, *, out: torch.Tensor) -> torch.Tensor:
@@ -575,12 +604,15 @@ class THCWorker:
             if out.shape != src.shape:
                 raise ValueError(f"out must have the padded length {src.numel()}, got shape {tuple(out.shape)}")
             return out if out is src else out.copy_(src)
-        if x is None and st.rotated_residual:
-            st.rotated_residual = False  # transformed in place: consumed
+        if x is None and st.buffer == "residual":
+            st.buffer = "spent"  # transformed in place: consumed
+            if st.addends is not None and any(_shares_memory(out, t) for t in st.addends):
+                st.addends_overwritten = True
             return st.buffers.rht.inverse_into(ws.rotated, out)
-        st.rotated_residual = False  # the lookup below goes into the same buffer
+        minus = self._sum(st) if x is None else x
+        st.buffer = "spent"  # the lookup below goes into the same buffer
         own = self.codec.own_values(st.encoded, out=ws.rotated)
-        return st.buffers.rht.inverse_into(own, out, minus=st.x if x is None else x)
+        return st.buffers.rht.inverse_into(own, out, minus=minus)
 
     def finish(self, tensor: int, sums: torch.Tensor, count: int | torch.Tensor,
                out: torch.Tensor | None = None, lost: torch.Tensor | None = None) -> torch.Tensor:
@@ -600,7 +632,7 @@ class THCWorker:
             sums = torch.from_numpy(sums)
         direct = (out is not None and out.dtype == st.dtype == torch.float32 and out.device == st.error.device
                   and out.is_contiguous() and out.numel() == st.d)  # decoded in place: no copy
-        st.rotated_residual = False  # decoding goes through the rotation's buffer
+        st.buffer = "spent"  # decoding goes through the rotation's buffer
         avg = self.codec.decode(sums, count, st.encoded.scale, st.d, st.key, st.buffers, lost=lost,
                                 out=out.view(-1) if direct else None)
         if self.config.error_feedback and st.caller_error is None:  # only once the sums decoded: a refused

@@ -262,19 +262,36 @@ def sum_signs_pad_into(a: np.ndarray, b: np.ndarray, words: np.ndarray, c: np.fl
     """x[i] = a[i] + b[i] and out[i] = (x[i] * s_i) * c, 0 beyond x.size: the gradient plus its error
     feedback and its sign flip in one pass (``forward_sum``); x may be a or b. Returns the sum of x's
     squares (float64, ``_SQUARES``)."""
-    n = x.size
+    return _sum_signs_pad(a, b, words, c, x, out, True)
+
+
+@njit(cache=True, nogil=True)
+def sum_signs_pad_only(a: np.ndarray, b: np.ndarray, words: np.ndarray, c: np.float32, out: np.ndarray) -> float:
+    """``sum_signs_pad_into`` without writing the sum a + b: for a caller that does not keep it (the DDP hook's
+    worker, whose quantization leaves the error feedback's residual and needs no x). One stream of 4 bytes
+    per coordinate fewer: 1.7-1.9 against 2.3-2.4 ms for 4.19 M coordinates out of the cache."""
+    return _sum_signs_pad(a, b, words, c, a, out, False)
+
+
+@njit(cache=True, inline="always")
+def _sum_signs_pad(a: np.ndarray, b: np.ndarray, words: np.ndarray, c: np.float32, x: np.ndarray,
+                   out: np.ndarray, keep: bool) -> float:
+    """The two passes above; x is written only with ``keep`` (a constant of each, folded away)."""
+    n = a.size
     acc = np.zeros(32, np.float64)
     for j in range(n // 32):
         w, base = np.int64(words[j]), j * 32
         for k in range(32):
             v = a[base + k] + b[base + k]
-            x[base + k] = v
+            if keep:
+                x[base + k] = v
             out[base + k] = (v * _sign(w, k)) * c
             acc[k] += np.float64(v) * np.float64(v)
     ss = 0.0
     for i in range(n - n % 32, n):
         v = a[i] + b[i]
-        x[i] = v
+        if keep:
+            x[i] = v
         out[i] = (v * _sign(np.int64(words[i >> 5]), i & 31)) * c
         ss += np.float64(v) * np.float64(v)
     for i in range(n, out.size):

@@ -162,20 +162,24 @@ class RandomizedHadamard:
         out[self.d:].zero_()
         return fwht(out, backend=self.backend, inplace=True), value
 
-    def forward_sum(self, a: torch.Tensor, b: torch.Tensor, x: torch.Tensor,
+    def forward_sum(self, a: torch.Tensor, b: torch.Tensor, x: torch.Tensor | None,
                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
-        """x = a + b (length d; x may be a or b), then ``forward_norm(x, out)``: the compiled path computes
-        the sum, the sign flip and the squares in one pass (the error feedback's addition read and wrote 4
-        bytes per coordinate more, the norm read them again). Returns the rotated vector and x's norm."""
-        out = self._check_forward(x, out)
-        if a.shape != x.shape or b.shape != x.shape:
-            raise ValueError(f"expected vectors of length {self.d}, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
-        if self._fast(a, b, x, out):
+        """x = a + b (length d; x may be a or b; None: the sum is not kept), then ``forward_norm(x, out)``: the
+        compiled path computes the sum, the sign flip and the squares in one pass (the error feedback's
+        addition read and wrote 4 bytes per coordinate more, the norm read them again). Returns the rotated
+        vector and x's norm."""
+        out = self._check_forward(a, out)
+        if a.shape != b.shape or (x is not None and x.shape != a.shape):
+            raise ValueError(f"expected vectors of length {self.d}, got shapes {tuple(a.shape)}, {tuple(b.shape)}"
+                             f"{'' if x is None else f' and {tuple(x.shape)}'}")
+        if self._fast(a, b, out, *(() if x is None else (x,))):
             c = self._prescale()
-            squares = fused.sum_signs_pad_into(a.numpy(), b.numpy(), self._words, c, x.numpy(), out.numpy())
+            if x is None:
+                squares = fused.sum_signs_pad_only(a.numpy(), b.numpy(), self._words, c, out.numpy())
+            else:
+                squares = fused.sum_signs_pad_into(a.numpy(), b.numpy(), self._words, c, x.numpy(), out.numpy())
             return fwht(out, normalize=c == 1, backend=self.backend, inplace=True), math.sqrt(squares)
-        torch.add(a, b, out=x)
-        return self.forward_norm(x, out)
+        return self.forward_norm(torch.add(a, b, out=x), out)
 
     def inverse(self, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate a length-D vector back and return its first d coordinates (y is left unchanged)."""
