@@ -226,6 +226,9 @@ class TransportStats:
     datagrams_received: int = 0
     #: received messages that held a run of several datagrams (UDP_GRO: the aggregator's GSO answers, whole)
     coalesced_receives: int = 0
+    #: times the retransmission engine waited for the network (select): each costs a wake-up and a pass of
+    #: its bookkeeping, so this, not the datagrams, sets its CPU per exchange
+    waits: int = 0
     lost: list[tuple[int, int]] = field(default_factory=list)  #: (tensor, chunk) given up
 
     def as_dict(self) -> dict[str, float]:
@@ -882,6 +885,7 @@ class Transport:
             fed = feed is not None and nxt < count  # a new piece of rows wakes the engine as an answer does
             starved = nxt == ready()
             readable, _, _ = select.select([*self.socks, feed] if fed else self.socks, [], [], max(wait, 0.0005))
+            self.stats.waits += 1
             if nxt < count:  # blocked from sending: by the feed, the slots or the window
                 waited = time.monotonic() - waited
                 if starved:
