@@ -497,6 +497,9 @@ class THCWorker:
         ``error``: error feedback kept by the caller (the DDP hook keeps it per parameter), added to the
         gradient here instead of this worker's own; ``residual`` then computes the next one. With the fixed
         rotation it is rotated and of the padded length, and ``compress`` overwrites it with the next one.
+        With the per-step rotation the sum of the two is not copied: a step quantized again reads the
+        caller's gradient and error, which must be left as they were, and refuses once ``residual`` has
+        written into that error.
         """
         flat = flat_float32(grad)
         key = self.key(tensor, step)
