@@ -402,7 +402,7 @@ class _TensorState:
     keeps_error: bool = False
     #: what the rotation's buffer holds (per-step rotation): x_rot; this step's residual x_rot - X_i, not
     #: yet rotated back (``residual`` consumes it); or nothing of use any more (rotated back in place, or
-    #: reused by ``residual``'s lookup or by decoding): ``compress`` rotates x again from the last two
+    #: reused by ``residual``'s lookup or by decoding). ``compress`` rotates x again unless it holds x_rot.
     buffer: Literal["x_rot", "residual", "spent"] = "x_rot"
     #: fixed rotation: the error the caller passed to ``begin``, which ``compress`` overwrites with the residual
     caller_error: torch.Tensor | None = None
