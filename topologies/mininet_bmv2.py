@@ -20,31 +20,47 @@ from topologies.bmv2 import Bmv2Config, Bmv2Switch
 from topologies.nsstar import host_ip, host_mac
 
 
-def free_tcp_port() -> int:
-    """A TCP port of 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_tcp_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports of 127.0.0.1 that nothing uses right now (all bound at once, so that two
+    picks cannot return the same port)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class Bmv2Node(Switch):
     """simple_switch_grpc as a Mininet switch: port i of the switch is its i-th Mininet interface.
 
     The process itself is a topologies.bmv2.Bmv2Switch (one command line, one start-up check for both
-    kinds of topology); this class only maps Mininet's interfaces onto its ports."""
+    kinds of topology); this class only maps Mininet's interfaces onto its ports. Its P4Runtime and
+    Thrift ports are free ports picked at start (the root namespace is shared: 9559 and 9090 may belong to
+    another switch, and a port picked when the network was built may be some connection's by then) unless
+    given; ``address`` is known from then on."""
 
     def __init__(self, name: str, workdir: Path, grpc_port: int | None = None, thrift_port: int | None = None,
                  device_id: int = 0, **kw) -> None:
         super().__init__(name, **kw)
         self.workdir = Path(workdir)
-        # Free ports by default: the root namespace is shared, 9559/9090 may belong to another switch.
-        self.grpc_port = grpc_port if grpc_port is not None else free_tcp_port()
-        self.thrift_port = thrift_port if thrift_port is not None else free_tcp_port()
+        self.grpc_port, self.thrift_port = grpc_port, thrift_port
         self.device_id = device_id
-        self.address = SwitchAddress("127.0.0.1", self.grpc_port, device_id=device_id)
         self.switch: Bmv2Switch | None = None
 
+    @property
+    def address(self) -> SwitchAddress:
+        """The switch's P4Runtime address (once started, unless its port was given)."""
+        if self.grpc_port is None:
+            raise RuntimeError(f"switch {self.name} has no P4Runtime port before it starts")
+        return SwitchAddress("127.0.0.1", self.grpc_port, device_id=self.device_id)
+
     def start(self, controllers) -> None:
+        picked = iter(free_tcp_ports(2))
+        self.grpc_port = self.grpc_port if self.grpc_port is not None else next(picked)
+        self.thrift_port = self.thrift_port if self.thrift_port is not None else next(picked)
         interfaces = {port: intf.name for port, intf in self.intfs.items() if intf.name != "lo"}
         self.switch = Bmv2Switch(Bmv2Config(interfaces, self.workdir, device_id=self.device_id,
                                             grpc_port=self.grpc_port, thrift_port=self.thrift_port))
