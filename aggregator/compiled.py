@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from aggregator.engine import BANK_DTYPES, pair_dtype
 from worker_lib.wire.compiled_fields import get16, get32, put16, put32
 from worker_lib.wire.layout import HEADER_BYTES, VERSION, PacketType, field_offsets
 from worker_lib.wire.protocol import Counter
@@ -283,7 +284,8 @@ def warm_up(out_buf: np.ndarray, out_len: np.ndarray, out_src: np.ndarray, out_f
     i64, none = np.zeros(1, np.int64), np.zeros(0, np.int64)
     validate_rows(np.zeros((1, _H), np.uint8), i64.copy(), 0, np.zeros((8, 1), np.int64), 0, 1, i64, i64, i64,
                   i64, i64, i64, i64.copy(), counters)
-    for bank, pair in ((np.int32, np.uint64), (np.uint8, np.uint16), (np.uint16, np.uint32)):  # engine.bank_dtype
+    for bank in BANK_DTYPES:
+        pair = pair_dtype(bank)
         apply_rows(none, i64, i64, i64, i64, i64, np.zeros((1, _H), np.uint8), 0, True, 4, 8, 1, 8,
                    np.zeros(16, bank), np.zeros(256, pair), np.zeros(1, bool), i64.copy(), i64.copy(), i64.copy(),
                    i64.copy(), np.zeros(2, bool), i64.copy(), i64.copy(), np.zeros((1, 2, 8), bank),

@@ -111,6 +111,16 @@ def bank_dtype(cfg: JobConfig) -> np.dtype:
     return np.dtype(np.int32)
 
 
+#: every type ``bank_dtype`` gives (the compiled engine loads its loops for each before serving)
+BANK_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.int32))
+
+
+def pair_dtype(bank: np.dtype) -> np.dtype:
+    """The word of two registers of type ``bank``: unsigned, twice as wide (aggregator.compiled's 4-bit loop
+    adds a byte's two values into two registers at once as such a word)."""
+    return np.dtype(f"u{2 * np.dtype(bank).itemsize}")
+
+
 class JobState:
     """Registers of one job, all allocated when the job is configured. ``narrow``: banks of
     ``bank_dtype`` (the compiled engine's); otherwise int32, as the reference's and the numpy paths'."""
@@ -126,7 +136,7 @@ class JobState:
         self.bank_values = (self.values if self.values is not None else np.zeros(1)).astype(self.sums.dtype)
         #: the banks as words of two registers, and the values of a byte's two 4-bit indices as one such word
         #: (``_byte_lut`` in the banks' type; aggregator.compiled's 4-bit loop; empty for other jobs)
-        self.sum_pairs = self.sums.view(f"u{2 * self.sums.itemsize}")
+        self.sum_pairs = self.sums.view(pair_dtype(self.sums.dtype))
         self.pair_values = (_byte_lut(self.values, 4, self.sums.dtype) if self.values is not None and cfg.bits == 4
                             else np.zeros(0, self.sum_pairs.dtype))
         self.prefault = populate_in_background(self.sums)  #: maps the banks' pages (aggregator/prefault.py)
