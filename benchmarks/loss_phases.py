@@ -88,9 +88,10 @@ class LossPhases:
 
 
 #: The running counters of a step mark compared between phases, by their names in
-#: ``examples/train_ddp.py``'s ``step_marks`` (the first, the resends, also gives ``resent_per_step``).
-COUNTERS = ("retransmissions", "tail_s", "slot_bound_s", "window_bound_s", "encode_s", "network_s", "decode_s",
-            "hook_cpu_s", "cpu_s")
+#: ``examples/train_ddp.py``'s ``step_marks`` (the first two, rank 0's resends and every rank's, also give
+#: ``resent_per_step`` and ``resent_all_per_step``).
+COUNTERS = ("retransmissions", "retransmissions_all", "tail_s", "slot_bound_s", "window_bound_s", "encode_s",
+            "network_s", "decode_s", "hook_cpu_s", "cpu_s")
 
 
 def steps_by_phase(marks: list[dict[str, float]], switches: list[Switch],
@@ -124,19 +125,24 @@ class PhaseComparison:
     low_s: float  #: the 90 % interval of the pairs' median difference (``median_interval``)
     high_s: float
     resent_per_step: float  #: mean datagrams resent per lossy step (rank 0)
-    #: per counter of ``COUNTERS`` but the first, the median over the pairs of how much more it grew per step
+    #: mean datagrams resent per lossy step by all ranks. Each crosses the aggregator's link, which carries
+    #: every worker's uses and so is the busiest: their bytes are the wire time that loss must cost.
+    resent_all_per_step: float
+    #: per counter of ``COUNTERS`` but the first two, the median over the pairs of how much more it grew per step
     #: in the lossy phase than in the lossless one (where the extra goes); "aggregator_cpu_s" too where the
     #: switches read it (the difference of its CPU per second of the two phases, times the lossy step)
     grown: dict[str, float] = field(default_factory=dict)
 
-    def resent_s(self, mtu: int, rate_mbit: float) -> float:
-        """Seconds the resent datagrams of a lossy step need on the link (each at most ``mtu`` bytes)."""
-        return self.resent_per_step * mtu * 8 / (rate_mbit * 1e6)
+    def resent_s(self, size: float, rate_mbit: float, all_ranks: bool = True) -> float:
+        """Seconds the datagrams all ranks resent in a lossy step need on the aggregator's link (``size``
+        bytes each); with ``all_ranks`` False, rank 0's alone."""
+        resent = self.resent_all_per_step if all_ranks else self.resent_per_step
+        return resent * size * 8 / (rate_mbit * 1e6)
 
-    def verdict(self, mtu: int, rate_mbit: float) -> str:
-        """"met" when even the interval's top is within the resent bytes' time, "missed" when its bottom is
-        above it, "undecided" otherwise."""
-        resent = self.resent_s(mtu, rate_mbit)
+    def verdict(self, size: float, rate_mbit: float) -> str:
+        """"met" when even the interval's top is within the time all ranks' resent bytes need on the aggregator's
+        link, "missed" when its bottom is above it, "undecided" otherwise."""
+        resent = self.resent_s(size, rate_mbit)
         return "met" if self.high_s <= resent else "missed" if self.low_s > resent else "undecided"
 
 
@@ -161,13 +167,13 @@ def compare_phases(runs: list[tuple[list[dict[str, float]], list[Switch], int]])
     diffs: list[list[float]] = []  # per pair: step, then each counter's growth (lossy - lossless medians)
     lossless: list[float] = []
     lossy: list[float] = []
-    resent: list[float] = []
+    resent: list[tuple[float, float]] = []  # per lossy step: rank 0's resends, all ranks'
     for marks, switches, warmup in runs:
         phases = steps_by_phase(marks, switches, warmup)
         for j, phase in enumerate(phases):
             (lossy if switches[j].lossy else lossless).extend(step[0] for step in phase)
             if switches[j].lossy:
-                resent.extend(step[1] for step in phase)
+                resent.extend(step[1:3] for step in phase)
             elif j + 1 < len(phases) and switches[j + 1].lossy and phase and phases[j + 1]:
                 pair = [statistics.median(b) - statistics.median(a)
                         for a, b in zip(zip(*phase, strict=True), zip(*phases[j + 1], strict=True), strict=True)]
@@ -178,13 +184,14 @@ def compare_phases(runs: list[tuple[list[dict[str, float]], list[Switch], int]])
     low, high = median_interval(d[:, 0])
     med = np.median(d[:, :-1], axis=0)
     agg = d[:, -1][~np.isnan(d[:, -1])]
-    grown = {name: float(v) for name, v in zip(COUNTERS[1:], med[2:], strict=True)}
+    grown = {name: float(v) for name, v in zip(COUNTERS[2:], med[3:], strict=True)}
     if agg.size:
         grown["aggregator_cpu_s"] = float(np.median(agg)) * statistics.median(lossy)
     return PhaseComparison(pairs=len(d), lossless_steps=len(lossless), lossy_steps=len(lossy),
                            lossless_s=statistics.median(lossless), lossy_s=statistics.median(lossy),
-                           extra_s=float(med[0]), low_s=low, high_s=high, resent_per_step=statistics.fmean(resent),
-                           grown=grown)
+                           extra_s=float(med[0]), low_s=low, high_s=high,
+                           resent_per_step=statistics.fmean(r[0] for r in resent),
+                           resent_all_per_step=statistics.fmean(r[1] for r in resent), grown=grown)
 
 
 def _cpu_rate(switches: list[Switch], j: int) -> float:

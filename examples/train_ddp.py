@@ -20,7 +20,7 @@ steps: ``benchmarks/time_to_accuracy.py`` plots it against the training time). A
 prints the final loss (mean over ranks) and whether all ranks hold identical parameters;
 ``--json-out`` writes the losses, step times, accuracies, where the time went, the hook's
 counters, and per step its start, end and rank 0's counters so far (``step_marks``, each a dict by name:
-``step_counters``).
+``step_counters``), with the datagrams every rank has resent so far (``retransmissions_all``).
 """
 
 from __future__ import annotations
@@ -380,6 +380,11 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_world: int, devi
                 print(f"step {step + 1} loss {losses[-1]:.6f}", flush=True)
         all_losses: list[list[float] | None] = [None] * world
         dist.all_gather_object(all_losses, losses)
+        # every rank's resends reach the aggregator over its one link: each mark also counts all ranks' so far
+        resends: list[list[float] | None] = [None] * world
+        dist.all_gather_object(resends, [m["retransmissions"] for m in marks])
+        for k, mark in enumerate(marks):
+            mark["retransmissions_all"] = sum(r[k] for r in resends)  # type: ignore[index]
         digests = [None] * world
         dist.all_gather_object(digests, params_digest(model))
         hook_stats: list[dict | None] = [None] * world

@@ -168,14 +168,27 @@ def test_ddp_netem_loss_report_says_where_the_extra_goes(capsys: pytest.CaptureF
 
     def row(loss: float, step: float, tail: float, slots: float, retx: int) -> dict:
         return {"rate_mbit": 1000.0, "mode": "thc", "loss": loss, "step_s": step, "tail_s": tail,
-                "slot_bound_s": slots, "retransmissions": retx, "steps": 10, "mtu": 1500}
+                "slot_bound_s": slots, "retransmissions": retx // 3, "retransmissions_all": retx, "steps": 10,
+                "mtu": 9000, "datagram_bytes": 1500.0}
 
     loss_report([row(0, 0.150, 0.010, 0.0, 0), row(0, 0.160, 0.012, 0.0, 0),
                  row(1, 0.170, 0.016, 0.004, 1000), row(1, 0.174, 0.018, 0.006, 1000)])
     last = capsys.readouterr().out.strip().splitlines()[-1].split()
-    # lossless 155.0 ms, lossy 172.0 (+17.0); resent: 100 datagrams of 1500 B per step at 1 Gbit/s = 1.2 ms;
+    # lossless 155.0 ms, lossy 172.0 (+17.0); resent by all workers: 100 datagrams of 1500 B per step at 1
+    # Gbit/s = 1.2 ms (neither rank 0's third nor the MTU counts);
     # noise 10.0 (max - min of 2); tail 17.0 - 11.0 = 6.0 ms; slots 5.0 - 0 = 5.0 ms
     assert last == ["1000", "1", "thc", "155.0", "172.0", "17.0", "1.2", "10.0", "NO", "6.0", "5.0"]
+
+
+def test_ddp_netem_sizes_the_resent_datagrams_by_what_was_sent() -> None:
+    """A resent datagram counts at the mean size of the rank's datagrams: 7,040 payload bytes over 10 first
+    sends (12 sent, 2 of them again) are 704 bytes each, plus the 32-byte THC header and 28 bytes of IPv4
+    and UDP; a rank without the hook's counters (gloo) sent none."""
+    from benchmarks.ddp_netem import datagram_bytes
+
+    hook = {"bytes_sent": 7040, "transport_packets_sent": 12, "transport_retransmissions": 2}
+    assert datagram_bytes(hook) == 704 + 32 + 28
+    assert datagram_bytes({}) == 0.0
 
 
 def test_engine_benchmark_cycles_a_slot_pool_and_compares_bank_types(capsys: pytest.CaptureFixture[str]) -> None:

@@ -102,6 +102,7 @@ def test_thc_identical_every_step_and_loss_tracks_ddp(thc_run: dict, baseline: d
     assert all(a["end"] <= b["start"] for a, b in itertools.pairwise(marks))
     assert marks[-1]["encode_s"] == pytest.approx(hook["encode_s"]) and hook["encode_s"] > 0
     assert marks[-1]["retransmissions"] == hook["transport_retransmissions"]
+    assert marks[-1]["retransmissions_all"] == sum(h["transport_retransmissions"] for h in s["hook"])
     first = baseline["losses"][0]
     assert s["losses"][0] == pytest.approx(first)  # same data and initial parameters
     thc, ref = tail_mean(s["losses"]), tail_mean(baseline["losses"])

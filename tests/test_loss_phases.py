@@ -30,12 +30,15 @@ def _switches(*starts: float, cpu: tuple[float, ...] = ()) -> list[Switch]:
             for i, (t, c) in enumerate(zip(starts, cpu, strict=True))]
 
 
-def _mark(start: float, end: float, resent: int, tail: float = 0.0) -> dict[str, float]:
+def _mark(start: float, end: float, resent: int, tail: float = 0.0, resent_all: int | None = None
+          ) -> dict[str, float]:
     """A step mark as ``examples/train_ddp.py`` writes it: start, end, the running counters by name
-    (retransmissions and tail_s given, the others held at 0 here, one that is not compared too)."""
-    return {"start": start, "end": end, "retransmissions": resent, "tail_s": tail, "slot_bound_s": 0.0,
-            "window_bound_s": 0.0, "encode_s": 0.0, "network_s": 0.0, "decode_s": 0.0, "hook_cpu_s": 0.0,
-            "cpu_s": 0.0, "not_compared": 99.0}
+    (rank 0's retransmissions, all ranks' (twice rank 0's unless given) and tail_s given, the others held at
+    0 here, one that is not compared too)."""
+    return {"start": start, "end": end, "retransmissions": resent,
+            "retransmissions_all": 2 * resent if resent_all is None else resent_all, "tail_s": tail,
+            "slot_bound_s": 0.0, "window_bound_s": 0.0, "encode_s": 0.0, "network_s": 0.0, "decode_s": 0.0,
+            "hook_cpu_s": 0.0, "cpu_s": 0.0, "not_compared": 99.0}
 
 
 def test_steps_are_assigned_to_the_phase_they_ran_in_wholly() -> None:
@@ -50,10 +53,10 @@ def test_steps_are_assigned_to_the_phase_they_ran_in_wholly() -> None:
              _mark(1.50, 1.99, 31, 0.625),  # phase 1, 12 resent
              _mark(2.05, 2.30, 31, 0.625)]  # phase 2 (the last, open-ended)
     phases = steps_by_phase(marks, switches, warmup=1)
-    rest = (0.0,) * (len(COUNTERS) - 2)
-    assert phases == [[pytest.approx((0.30, 0, 0.0, *rest))],
-                      [pytest.approx((0.30, 10, 0.025, *rest)), pytest.approx((0.49, 12, 0.0, *rest))],
-                      [pytest.approx((0.25, 0, 0.0, *rest))]]
+    rest = (0.0,) * (len(COUNTERS) - 3)
+    assert phases == [[pytest.approx((0.30, 0, 0, 0.0, *rest))],
+                      [pytest.approx((0.30, 10, 20, 0.025, *rest)), pytest.approx((0.49, 12, 24, 0.0, *rest))],
+                      [pytest.approx((0.25, 0, 0, 0.0, *rest))]]
 
 
 def test_each_lossy_phase_is_compared_with_the_lossless_one_before_it() -> None:
@@ -66,7 +69,7 @@ def test_each_lossy_phase_is_compared_with_the_lossless_one_before_it() -> None:
               _mark(2.1, 2.3, 6, 0.004), _mark(2.3, 2.5, 6, 0.004),   # phase 2 (lossless): 200 ms
               _mark(3.1, 3.31, 7, 0.006), _mark(3.4, 3.61, 8, 0.008)],  # phase 3 (1 %): 210 ms, 1 resent each
              _switches(0.0, 1.0, 2.0, 3.0, cpu=(0.0, 0.5, 1.1, 1.6)), 0)
-    run_b = ([_mark(0.1, 0.25, 0), _mark(1.1, 1.254, 4)], _switches(0.0, 1.0), 0)
+    run_b = ([_mark(0.1, 0.25, 0), _mark(1.1, 1.254, 4, resent_all=5)], _switches(0.0, 1.0), 0)
     cmp = compare_phases([run_a, run_b])
     assert cmp is not None
     assert cmp.pairs == 3 and cmp.lossless_steps == 5 and cmp.lossy_steps == 5
@@ -74,7 +77,8 @@ def test_each_lossy_phase_is_compared_with_the_lossless_one_before_it() -> None:
     assert cmp.lossless_s == pytest.approx(0.150) and cmp.lossy_s == pytest.approx(0.154)
     assert (cmp.low_s, cmp.high_s) == (-math.inf, math.inf)  # 3 pairs are too few for a 90 % interval
     assert cmp.resent_per_step == pytest.approx((3 + 3 + 1 + 1 + 4) / 5)
-    assert cmp.grown == pytest.approx({"tail_s": 0.002, **{k: 0.0 for k in COUNTERS[2:]},
+    assert cmp.resent_all_per_step == pytest.approx((6 + 6 + 2 + 2 + 5) / 5)
+    assert cmp.grown == pytest.approx({"tail_s": 0.002, **{k: 0.0 for k in COUNTERS[3:]},
                                        "aggregator_cpu_s": 0.1 * 0.154})
 
 
@@ -88,12 +92,14 @@ def test_the_interval_of_the_median_is_made_of_order_statistics() -> None:
 
 
 def test_verdict_against_the_resent_bytes_time() -> None:
-    """100 datagrams of 1,500 bytes need 1.2 ms at 1 Gbit/s: an interval wholly below is met, wholly above
-    missed, across it undecided."""
+    """100 datagrams of 1,500 bytes resent by all ranks (40 of them by rank 0) need 1.2 ms at 1 Gbit/s on the
+    aggregator's link: an interval wholly below is met, wholly above missed, across it undecided."""
     def cmp(low: float, high: float) -> PhaseComparison:
         return PhaseComparison(pairs=9, lossless_steps=9, lossy_steps=9, lossless_s=0.1, lossy_s=0.1,
-                               extra_s=(low + high) / 2, low_s=low, high_s=high, resent_per_step=100)
+                               extra_s=(low + high) / 2, low_s=low, high_s=high, resent_per_step=40,
+                               resent_all_per_step=100)
     assert cmp(0, 0).resent_s(1500, 1000) == pytest.approx(0.0012)
+    assert cmp(0, 0).resent_s(1500, 1000, all_ranks=False) == pytest.approx(0.00048)
     assert cmp(-0.002, 0.0011).verdict(1500, 1000) == "met"
     assert cmp(0.0013, 0.004).verdict(1500, 1000) == "missed"
     assert cmp(0.0005, 0.004).verdict(1500, 1000) == "undecided"
