@@ -814,18 +814,6 @@ class Transport:
                 if base == count:
                     return end()
             now = time.monotonic()
-            n = room(base, nxt)
-            use_of_slot[slots[nxt:nxt + n]] = np.arange(nxt, nxt + n)
-            if n and block is not None and self.gso:
-                self._send_run(block[nxt:nxt + n])
-            else:
-                for i in range(nxt, nxt + n):
-                    for data in packets[i]:
-                        self._send(data, int(slots[i]))
-            stamp_sent(slice(nxt, nxt + n), now)
-            nxt += n
-            if n and nxt == count:
-                all_sent = time.monotonic()
             # Resend or give up what is due (each resend backs that use's timeout off, see pacing.py).
             due, n_early, _ = deadlines(base, nxt, now)
             probe = tail_probe(base, now)[0]
@@ -844,25 +832,40 @@ class Transport:
                 probe = np.setdiff1d(probe, due, assume_unique=True)
                 self.stats.tail_probes += int(probe.size)
                 due = np.union1d(due, probe)
-            again = []  # uses of one datagram each, resent together as one run below
+            runs_of_block = block is not None and self.gso
+            again = []  # uses of one datagram each, resent in one run with this pass's first sends
             for i in due.tolist():
                 if policy == "zero-fill" and tries[i] >= cfg.retries:
                     self._finish_lost(i, int(slots[i]), tensor, done, lost, use_of_slot)
                     continue
                 tries[i] += 1
-                if block is not None and self.gso:
+                if runs_of_block:
                     again.append(i)
                     continue
                 for k in resend(i):
                     self.stats.retransmissions += 1
                     self._send(packets[i][k], int(slots[i]))
-                # stamped after this pass's first sends, which left before it: an answer to one of those
-                # must not make this resend look sent earlier than it (RACK would resend it again)
                 stamp_sent(i, time.monotonic())
+            # New uses, after the resends were chosen: the answers taken for them may have made room.
+            first = time.monotonic()
+            n = room(base, nxt)
+            use_of_slot[slots[nxt:nxt + n]] = np.arange(nxt, nxt + n)
+            if runs_of_block and (n or again):
+                # one system call for both (a copy only with resends: C-contiguous, as sendmsg needs); the
+                # resends go last and are stamped after the call: an answer to a use first sent in this
+                # pass must not make a resend look sent earlier than it (RACK would resend it again)
+                self._send_run(block[np.r_[nxt:nxt + n, again]] if again else block[nxt:nxt + n])
+            else:
+                for i in range(nxt, nxt + n):
+                    for data in packets[i]:
+                        self._send(data, int(slots[i]))
+            stamp_sent(slice(nxt, nxt + n), first)
             if again:
-                self._send_run(block[again])  # a copy: C-contiguous, as sendmsg needs
                 self.stats.retransmissions += len(again)
                 stamp_sent(again, time.monotonic())
+            nxt += n
+            if n and nxt == count:
+                all_sent = time.monotonic()
             if (now_done := int(np.count_nonzero(done))) != done_count:
                 done_count, last_progress = now_done, now
             if now - last_answer > cfg.deadline or now - last_progress > cfg.deadline:
