@@ -13,7 +13,7 @@ from worker_lib.resend_timers import due_uses
 def reference(base: int, nxt: int, now: float, sent_at: np.ndarray, heard: np.ndarray, tries: np.ndarray,
               done: np.ndarray, from_heard: bool, rto_base: float, cap_oldest: int, cap_rest: int,
               max_timeout: float, rack_sent: float, rack_use: int, rack_rtt: float,
-              margin: float) -> tuple[list[int], int, float]:
+              margin: float, rack_above: int) -> tuple[list[int], int, float]:
     """Due uses, RACK's share of them and the earliest deadline, by whole-window array expressions."""
     at = sent_at[base:nxt]
     start = at
@@ -26,7 +26,9 @@ def reference(base: int, nxt: int, now: float, sent_at: np.ndarray, heard: np.nd
     timer_at = start + np.minimum(max_timeout, rto_base * np.exp2(np.minimum(tries[base:nxt], caps)))
     rack_at = np.full(at.size, np.inf)
     if rack_use >= 0:
-        before = (at < rack_sent) | ((at == rack_sent) & (np.arange(base, nxt) < rack_use))
+        use = np.arange(base, nxt)
+        before = (at < rack_sent) | ((at == rack_sent) & (use < rack_use))
+        before |= (tries[base:nxt] == 0) & (use < rack_above)  # first sent before a resent use now answered
         rack_at[before] = at[before] + rack_rtt + margin
     open_ = ~done[base:nxt]
     due_at = np.minimum(timer_at, rack_at)
@@ -53,7 +55,7 @@ def test_random_windows_agree_with_the_array_rules(seed: int) -> None:
     args = (base, nxt, float(rng.uniform(0, 0.08)), sent_at, heard, tries, done, bool(rng.random() < 0.7),
             float(rng.uniform(0.001, 0.02)), int(rng.integers(0, 3)), int(rng.integers(0, 7)),
             float(rng.uniform(0.01, 0.2)), float(sent_at[rack_use]) if rack_use >= 0 else -np.inf, rack_use,
-            float(rng.uniform(0, 0.01)), float(rng.uniform(0, 0.002)))
+            float(rng.uniform(0, 0.01)), float(rng.uniform(0, 0.002)), int(rng.integers(-1, count + 1)))
     out = np.empty(count, np.int64)
     n, n_early, next_at = due_uses(*args, out)
     assert (out[:n].tolist(), n_early, next_at) == reference(*args)
@@ -64,9 +66,9 @@ def test_a_window_with_nothing_open() -> None:
     out = np.empty(4, np.int64)
     done = np.ones(4, bool)
     assert due_uses(0, 4, 1.0, np.zeros(4), np.zeros(4), np.zeros(4, np.int64), done, True, 0.01, 1, 1, 1.0,
-                    0.5, 3, 0.001, 0.0, out) == (0, 0, np.inf)
+                    0.5, 3, 0.001, 0.0, -1, out) == (0, 0, np.inf)
     assert due_uses(2, 2, 1.0, np.zeros(4), np.zeros(4), np.zeros(4, np.int64), ~done, True, 0.01, 1, 1, 1.0,
-                    0.5, 3, 0.001, 0.0, out) == (0, 0, np.inf)
+                    0.5, 3, 0.001, 0.0, 3, out) == (0, 0, np.inf)
 
 
 @pytest.mark.parametrize("silent", [0.0, 0.3, 5.0, 100.0])
@@ -85,6 +87,6 @@ def test_each_use_waits_the_pacers_timeout(silent: float) -> None:
         if i:
             done[0] = True
         _, _, next_at = due_uses(base, 9, 0.0, np.zeros(9), np.full(9, np.inf), tries, done, False, p.base_rto(),
-                                 p.backoff_cap(), p.backoff_cap(silent), p.max_timeout, -np.inf, -1, 0.0, 0.0, out)
+                                 p.backoff_cap(), p.backoff_cap(silent), p.max_timeout, -np.inf, -1, 0.0, 0.0, -1, out)
         want = p.rto(int(tries[i])) if i == 0 else p.rto(int(tries[i]), silent=silent)
         assert next_at == want, (i, next_at, want)

@@ -25,6 +25,7 @@ from launchers.aggregator_process import local_aggregator
 from tests.transport_support import opened_runs
 from worker_lib.allreduce import THCAllreduce
 from worker_lib.job import JobConfig
+from worker_lib.pacing import PROBE_USES
 from worker_lib.thc import SignKey, THCCodec, THCConfig, THCWorker, lookup_sum
 from worker_lib.transport import (
     AggregatorStateError,
@@ -782,16 +783,15 @@ def test_a_late_peer_costs_one_probe_per_timeout(stale: bool) -> None:
     assert np.array_equal(res.sums, want) and np.array_equal(out["w1"].sums, want)
 
 
-def test_a_peer_that_stalls_mid_exchange_costs_one_probe_per_timeout() -> None:
-    """Worker 1 stops for 0.3 s after its 40th datagram of an exchange (its thread not scheduled, as on
-    shared cores), while worker 0, which knows the round trip, has a window of later uses in flight: their
-    timers run out together on a silent path. Worker 0 probes with its oldest open use, one per timeout,
-    and resends at most a few of the others (before, the whole window went again at the first expiry:
-    76 resends against 27 in one run). Exact."""
+def exchange_with_a_stalling_peer(stall_after: int) -> tuple[np.ndarray, Transport]:
+    """Worker 1 stops for 0.3 s after its ``stall_after``-th datagram of an exchange of 2 x 64 uses (its
+    thread not scheduled, as on shared cores), while worker 0, which knows the round trip from an exchange
+    before, has a window of later uses in flight. Returns how many datagrams worker 0 sent per slot in that
+    exchange (datagram by datagram, gso=False, to see each one), and worker 0's transport. Exact."""
     cfg = JobConfig(workers=2, slots=64, elems=K)
     sent: list[int] = []
 
-    class Recording(Transport):  # datagram by datagram (gso=False), to see each one
+    class Recording(Transport):
         recording = False
 
         def _send(self, data: bytes, slot: int) -> None:
@@ -820,21 +820,42 @@ def test_a_peer_that_stalls_mid_exchange_costs_one_probe_per_timeout() -> None:
         th.join(10)
         assert t0.pacer.rtt is not None and t0.pacer.base_rto() < 0.1
         out: dict[str, UseResults] = {}
-        t1.stall_after = 40
+        t1.stall_after = stall_after
         th = threading.Thread(target=lambda: out.__setitem__("w1", t1.exchange_indices(idx[1])))
         th.start()
         t0.recording = True
         res = t0.exchange_indices(idx[0])
         th.join(10)
-    per_slot = np.bincount(sent, minlength=cfg.slots)  # two uses per slot, each sent once, and the probes
+    want = oracle(cfg, idx, [0, 1])
+    assert np.array_equal(res.sums, want) and np.array_equal(out["w1"].sums, want)
+    return np.bincount(sent, minlength=cfg.slots), t0
+
+
+def test_a_peer_that_stalls_mid_exchange_costs_one_probe_per_timeout() -> None:
+    """Worker 1 stalls after its 40th datagram of 128: worker 0's window of later uses times out together
+    on a silent path. Worker 0 probes with its oldest open use, one per timeout, and resends at most a few
+    of the others (before, the whole window went again at the first expiry: 76 resends against 27 in one
+    run). Exact."""
+    per_slot, _ = exchange_with_a_stalling_peer(40)  # two uses per slot, each sent once, and the probes
     # the use after worker 1's 40th (slot 40), the oldest open one, probes; of the others, at most a few
     # whose timers ran out before the silence was half a timeout long went again, once each (a loaded
     # machine spreads the timers out); never the window
     others = np.delete(per_slot, 40)
     assert (per_slot >= 2).all() and per_slot[40] > 3 and others.max() <= 3, per_slot
-    assert np.count_nonzero(others > 2) <= cfg.slots // 4, per_slot
-    want = oracle(cfg, idx, [0, 1])
-    assert np.array_equal(res.sums, want) and np.array_equal(out["w1"].sums, want)
+    assert np.count_nonzero(others > 2) <= 64 // 4, per_slot
+
+
+def test_a_peer_that_stalls_at_the_end_of_an_exchange_costs_one_probe_per_timeout() -> None:
+    """Worker 1 stalls after its 100th datagram of 128: worker 0 has sent them all, and its last 28 uses
+    wait 0.3 s on a silent path. It probes with its oldest open use, one per timeout, as in the middle of
+    an exchange; of the others at most a tail probe's worth (``PROBE_USES``) go again. (Before, where no
+    later use was left to send, every use due was resent: the 27 after the oldest went again, and at 10
+    Gbit/s a DDP step whose peer was late resent its last window, 250-360 uses, in about one step in 30.)"""
+    per_slot, _ = exchange_with_a_stalling_peer(100)
+    oldest = 100 - 64  # the second use of slot 36 is the 101st
+    others = np.delete(per_slot, oldest)
+    assert (per_slot >= 2).all() and per_slot[oldest] > 3, per_slot
+    assert others.max() <= 3 and np.count_nonzero(others > 2) <= PROBE_USES, per_slot
 
 
 @contextlib.contextmanager
@@ -984,6 +1005,34 @@ def exchange_losing(nth: int, policy: str, seed: int, hold_after: int | None = N
         wall = time.monotonic() - t0
     assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
     return sent, tr, wall
+
+
+def test_answers_to_a_tail_probe_show_the_uses_lost_before_it() -> None:
+    """One worker sends 64 uses in one go (64 slots, window 64, 0.2 s timeouts), and the last 20 are lost:
+    the answers stop after use 43. The tail probe resends the last 8 (56..63); their answers show that uses
+    44..55, first sent before them, are lost too (RACK on the order of first sends): those 12 go again at
+    once, not at their 0.2 s timeout. Exact; each lost use is resent once."""
+    cfg = JobConfig(workers=1, slots=64, elems=K)
+    seen: set[int] = set()
+
+    class LosingTheTail(Transport):  # datagram by datagram (gso=False): the first copies of uses 44..63 are lost
+        def _send(self, data: bytes, slot: int) -> None:
+            first = slot not in seen
+            seen.add(slot)
+            if not (first and slot >= 44):
+                super()._send(data, slot)
+
+    idx = np.random.default_rng(3).integers(0, 16, 64 * K).astype(np.uint8)
+    with serving_apart(cfg) as srv_port, LosingTheTail(TransportConfig(
+            cfg, worker=0, aggregator=("127.0.0.1", srv_port), timeout=0.2, min_timeout=0.2, window=64,
+            initial_window=64, gso=False)) as tr:
+        t0 = time.monotonic()
+        res = tr.exchange_indices(idx)
+        wall = time.monotonic() - t0
+    assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
+    assert tr.stats.retransmissions == 20 and tr.stats.tail_probes == PROBE_USES, tr.stats
+    assert tr.stats.early_retransmissions == 20 - PROBE_USES, tr.stats
+    assert wall < 0.15, wall
 
 
 @pytest.mark.parametrize("policy", ["reliable", "zero-fill"])

@@ -629,6 +629,7 @@ class Transport:
         # to one fixed timeout to stay in step.
         early = paced and policy == "reliable" and self.pacer.adaptive_timeout
         rack_sent, rack_use, rack_rtt = -math.inf, -1, 0.0
+        rack_above = -1  # the highest use answered after a resend: open uses first sent before it are lost too
         # When the first datagram for one of these uses came after use i was (re)sent: its timer starts
         # there, not at the send (pacing.py, "Probing"); until then only the oldest open use is timed.
         heard_since = np.full(count, math.inf)
@@ -667,22 +668,24 @@ class Transport:
             return int(notice["tensor"]) == tensor and int(notice["chunk"]) in {
                 int.from_bytes(bytes(d[_CHUNK_AT:_CHUNK_AT + 4]), "big") for d in datagrams}
 
-        def deadlines(base: int, nxt: int, now: float) -> tuple[np.ndarray, int, float]:
+        def deadlines(base: int, nxt: int, now: float, probing: bool) -> tuple[np.ndarray, int, float]:
             """The open uses of base..nxt-1 due to be resent at ``now`` (a view that the next call
             overwrites), how many of them RACK found lost, and the earliest deadline of any open use
-            (``worker_lib.resend_timers``: by its timer, or by RACK for a use sent before one answered)."""
+            (``worker_lib.resend_timers``: by its timer, or by RACK for a use sent before one answered).
+            ``probing``: the tail is probed now, or was since the path last spoke."""
             pacer = self.pacer
             rack = rack_use if early else -1
             from_heard = early and pacer.rtt is not None
             args = (base, nxt, now, sent_at, heard_since, tries, done, from_heard, pacer.base_rto(),
                     pacer.backoff_cap(), pacer.backoff_cap(now - last_answer), pacer.max_timeout, rack_sent, rack,
-                    rack_rtt, pacer.reorder_margin() if rack >= 0 else 0.0, due_buf)
+                    rack_rtt, pacer.reorder_margin() if rack >= 0 else 0.0, rack_above, due_buf)
             n, n_early, next_at = due_uses(*args)
             silent = now - last_answer >= pacer.base_rto() / 2
-            if from_heard and nxt < count and silent and n - n_early > BURST_RUN:
+            if from_heard and silent and n - n_early > BURST_RUN and (nxt < count or probing):
                 # A stalled path, not a burst of losses (pacing.py, "Probing"): the open uses count as
-                # unheard since their sends until it speaks, and the oldest probes it alone. At the end
-                # of an exchange, where a loss has no later answers to show it, every use due is resent.
+                # unheard since their sends until it speaks, and the oldest probes it alone. At the end of
+                # an exchange, once the tail probe has gone out: its answers show RACK what was lost
+                # before it (rack_above), and a peer that is late leaves them unanswered too.
                 heard_since[base + 1:nxt] = math.inf
                 heard_before[base + 1:nxt] = False
                 n, n_early, next_at = due_uses(*args)
@@ -706,9 +709,12 @@ class Transport:
             """Record the uses ``finished`` (marked done, in the order answered) as answered at
             ``last_answer``: the pacer's round trips and window, RACK's latest answered use, the counters.
             Returns the earliest (last) send among them."""
-            nonlocal rack_sent, rack_use, rack_rtt
+            nonlocal rack_sent, rack_use, rack_rtt, rack_above
             if paced:
-                clean = finished[tries[finished] == 0]
+                again = tries[finished] > 0
+                if again.any():
+                    rack_above = max(rack_above, int(finished[again].max()))
+                clean = finished[~again]
                 if clean.size:
                     at = sent_at[clean]
                     self.pacer.sample_many(last_answer - at)
@@ -814,15 +820,16 @@ class Transport:
                 if base == count:
                     return end()
             now = time.monotonic()
-            # Resend or give up what is due (each resend backs that use's timeout off, see pacing.py).
-            due, n_early, _ = deadlines(base, nxt, now)
+            # Resend or give up what is due (each resend backs that use's timeout off, see pacing.py);
+            # the tail probe first: the timers it finds due with it may be a stall's
             probe = tail_probe(base, now)[0]
+            due, n_early, _ = deadlines(base, nxt, now, probe.size > 0 or probed_for == last_answer)
             if due.size or probe.size:
                 # Answers that came while this thread did not run (descheduled on a busy core, or the GIL
                 # held by the training loop) wait in the socket: they are not losses. Take them first.
                 receive(self.socks)
-                due, n_early, _ = deadlines(base, nxt, now)
                 probe = tail_probe(base, now)[0]
+                due, n_early, _ = deadlines(base, nxt, now, probe.size > 0 or probed_for == last_answer)
             self.stats.early_retransmissions += n_early  # resent because later answers showed them lost
             if due.size and paced:
                 burst = extend_loss_runs(runs, due[tries[due] == 0], self.pacer.burst_run())
@@ -881,7 +888,7 @@ class Transport:
                 base += 1
             if base >= count or room(base, nxt):
                 continue
-            next_at = deadlines(base, nxt, now)[2]
+            next_at = deadlines(base, nxt, now, probed_for == last_answer)[2]
             next_at = min(next_at, tail_probe(base, now)[1])
             wait = max(0.0, next_at - now) if next_at < math.inf else 0.0
             waited = time.monotonic()
