@@ -89,6 +89,11 @@ waiting to be sent, a peer or the aggregator was not scheduled (cores shared wit
 show in later answers (RACK) instead. The open uses then count as unheard since their sends, and the
 oldest probes alone (``Transport._exchange``; ``test_a_peer_that_stalls_mid_exchange_costs_one_probe_per_timeout``).
 In DDP runs at 1 Gbit/s such a stall had resent a whole window of up to 512 uses in a third of the runs.
+At the end of an exchange, with nothing left to send, the same holds once the tail probe has gone out:
+the answers to the probe show the uses sent before it that were lost (RACK on the order of first sends),
+and a peer that is late leaves the probe unanswered as well
+(``test_a_peer_that_stalls_at_the_end_of_an_exchange_costs_one_probe_per_timeout``; at 10 Gbit/s a DDP
+step whose peer was late at the end resent its whole last window, 250-360 uses, about once in 30 steps).
 
 Tail probes (RACK-TLP's probe, RFC 8985, on silence): RACK needs a later answer, so a loss among the
 last uses of an exchange used to wait for its timeout, and under load that timeout is long: the round
