@@ -93,7 +93,7 @@ At the end of an exchange, with nothing left to send, the same holds once the ta
 the answers to the probe show the uses sent before it that were lost (RACK on the order of first sends),
 and a peer that is late leaves the probe unanswered as well
 (``test_a_peer_that_stalls_at_the_end_of_an_exchange_costs_one_probe_per_timeout``; at 10 Gbit/s a DDP
-step whose peer was late at the end resent its whole last window, 250-360 uses, about once in 30 steps).
+step whose peer was late at the end resent its whole last window, 250-360 uses, once in 30 to 70 steps per rank).
 
 Tail probes (RACK-TLP's probe, RFC 8985, on silence): RACK needs a later answer, so a loss among the
 last uses of an exchange used to wait for its timeout, and under load that timeout is long: the round
