@@ -827,8 +827,10 @@ class Transport:
             if due.size or probe.size:
                 # Answers that came while this thread did not run (descheduled on a busy core, or the GIL
                 # held by the training loop) wait in the socket: they are not losses. Take them first.
+                spoke = last_answer
                 receive(self.socks)
-                probe = tail_probe(base, now)[0]
+                if last_answer != spoke:  # the path spoke: no probe now. (Else keep this one: a stall found
+                    probe = tail_probe(base, now)[0]  # with it took the probed uses' hearing away)
                 due, n_early, _ = deadlines(base, nxt, now, probe.size > 0 or probed_for == last_answer)
             self.stats.early_retransmissions += n_early  # resent because later answers showed them lost
             if due.size and paced:
