@@ -38,7 +38,8 @@ from pathlib import Path
 
 import torch
 
-from worker_lib.cli.args import FLOAT_DTYPES, ROTATIONS, int_in
+from launchers.neighbour import busy_neighbour
+from worker_lib.cli.args import DDP_ROTATION, FLOAT_DTYPES, ROTATIONS, int_in
 from worker_lib.thc import THCCodec, THCConfig, THCWorker
 from worker_lib.thc.hadamard import have_fht_cpu, next_pow2
 from worker_lib.thc.quantize import unpack_indices
@@ -155,17 +156,11 @@ def contention(args: argparse.Namespace) -> list[dict]:
     rows = []
     for busy in (False, True):
         for threads in (1, 2):
-            hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
-            try:
-                time.sleep(0.2 if busy else 0)  # let the neighbour reach full speed
+            with busy_neighbour(busy):
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--json", "--threads", str(threads),
                        "--dim", str(args.dim), "--repeats", str(args.repeats), "--bits", str(args.bits),
                        "--granularity", str(args.granularity), "--backend", args.backend, "--dtype", args.dtype]
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-            finally:
-                if hog is not None:
-                    hog.kill()
-                    hog.wait()
             if proc.returncode != 0:
                 raise SystemExit(f"compression benchmark failed: {proc.stderr.strip().splitlines()[-1:]}")
             rows.append({**json.loads(proc.stdout), "busy_neighbour": busy})
@@ -209,21 +204,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hook", action="store_true",
                         help="one worker's codec work per step as the DDP hook does it (error feedback kept by "
                              "the hook, averages decoded into the bucket), phase by phase")
-    parser.add_argument("--rotation", choices=ROTATIONS, default="per-step",
-                        help="with --hook: THC's rotation, new signs every step or fixed (error feedback kept rotated)")
+    parser.add_argument("--rotation", choices=ROTATIONS,
+                        help=f"with --hook: THC's rotation, fixed (error feedback kept rotated) or new signs every "
+                             f"step (default {DDP_ROTATION}, the hook's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     device = device_of(parser, args.device)
     if args.hook and (args.contention or args.dtype != "float32"):
         parser.error("--hook measures float32 gradients on its own: leave out --contention and --dtype")
-    if args.rotation != "per-step" and not args.hook:
+    if args.rotation is not None and not args.hook:
         parser.error("--rotation applies to --hook only (the other measurements keep no error feedback)")
     if args.contention and device.type != "cpu":
         parser.error("--contention measures on the CPU: leave out --device")
     if args.backend == "fht-cpu" and (device.type != "cpu" or not have_fht_cpu()):
         parser.error("--backend fht-cpu needs the fht-cpu package and --device cpu")
     try:
-        config = THCConfig(bits=args.bits, granularity=args.granularity, backend=args.backend, rotation=args.rotation)
+        config = THCConfig(bits=args.bits, granularity=args.granularity, backend=args.backend,
+                           rotation=(args.rotation or DDP_ROTATION) if args.hook else "per-step")
     except ValueError as exc:
         parser.error(f"--bits {args.bits} --granularity {args.granularity}: {exc}")
     if args.threads is not None:

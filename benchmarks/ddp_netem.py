@@ -22,6 +22,7 @@ on the same links, and with ``--repeats`` above 1 the report adds the median and
 With ``--loss 0,1`` it compares lossless and 1 % lossy links, by separate runs, or with ``--loss-phases
 SECONDS`` within each run (``benchmarks.loss_phases``: the loss switches every SECONDS; the figure that
 settles whether a lossy step costs more than its resent bytes' wire time on a machine whose load drifts).
+``--busy-neighbour`` runs every mode beside one CPU-bound process, as on a machine that is not quiet.
 
 Needs root (exits with the reason otherwise). All namespaces, the processes in them and the temporary
 files are removed at the end, also on errors, Ctrl-C, SIGTERM and SIGHUP (then the exit status is 128 +
@@ -45,9 +46,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.loss_phases import LossPhases, compare_phases
+from launchers.neighbour import busy_neighbour
 from topologies.netem import ExitOnSignals, NetemConfig, NetemError, Topology, require_root
 from topologies.netem.ddp import run_training, start_aggregator
-from worker_lib.cli.args import ROTATIONS, comma_list, float_in, int_in
+from worker_lib.cli.args import DDP_ROTATION, ROTATIONS, comma_list, float_in, int_in
 from worker_lib.job import IP_UDP_OVERHEAD, JobConfig, JobConfigError
 from worker_lib.wire.layout import HEADER_BYTES
 
@@ -172,7 +174,7 @@ def run_all(args: argparse.Namespace) -> list[dict]:
     other value (``benchmarks.loss_phases``)."""
     rows = []
     losses = [max(args.loss)] if args.loss_phases else args.loss
-    with tempfile.TemporaryDirectory(prefix="ddp-netem-") as tmpd:
+    with tempfile.TemporaryDirectory(prefix="ddp-netem-") as tmpd, busy_neighbour(args.busy_neighbour):
         tmp = Path(tmpd)
         for rate, k, pct in ((r, k, x) for r in args.rates for k in range(args.repeats) for x in losses):
             # with any lossy rate, the lossless runs pass the same loss rules dropping nothing (their CPU)
@@ -195,6 +197,7 @@ def run_all(args: argparse.Namespace) -> list[dict]:
                                       tmp)
                     row["switches"] = phases.switches if phases else []
                     row["repeat"] = k
+                    row["busy_neighbour"] = args.busy_neighbour
                     rows.append(row)
                     print(f"  {rate:>7g} Mbit/s {pct:g} % loss {mode:<12} step {row['step_s'] * 1e3:8.1f} ms  "
                           f"{row['samples_per_s']:8.1f} samples/s  (wall {row['wall_s']:.0f} s)", flush=True)
@@ -225,8 +228,9 @@ def against_gloo(rows: list[dict]) -> dict[tuple[float, float, str], list[float]
 
 def report(rows: list[dict]) -> None:
     gloo = gloo_steps(rows)
+    beside = ", beside a busy neighbour process" if rows[0].get("busy_neighbour") else ""
     print(f"\nDDP on an emulated network: {rows[0]['workers']} workers, {rows[0]['parameters']:,} parameters, "
-          "each node and the aggregator in its own namespace, links shaped by tc (both directions)")
+          f"each node and the aggregator in its own namespace, links shaped by tc (both directions){beside}")
     print(f"{'rate':>8} {'loss':>5} {'mode':<12} {'step ms':>8} {'x gloo':>7} {'samples/s':>9} | {'fwd':>6} {'bwd':>7} "
           f"{'encode':>7} {'network':>8} {'decode':>7} {'agg cpu':>8} {'wrk cpu':>8} {'link up':>8} {'link dn':>8} "
           f"{'MB up':>6} "
@@ -387,9 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-features", type=int_in(1, 1 << 16), default=32, help="input features, 1..65536")
     p.add_argument("--batch-size", type=int_in(1, 1 << 16), default=32, help="samples per rank and step, 1..65536")
     p.add_argument("--qdisc", choices=("tbf", "htb"), default="tbf")
-    p.add_argument("--rotation", choices=ROTATIONS, default="per-step",
-                   help="THC's rotation (examples/train_ddp.py --rotation): new signs every step, or fixed with "
-                        "the error feedback kept rotated")
+    p.add_argument("--rotation", choices=ROTATIONS, default=DDP_ROTATION,
+                   help=f"THC's rotation (examples/train_ddp.py --rotation): fixed, with the error feedback kept "
+                        f"rotated, or new signs every step (default {DDP_ROTATION})")
     p.add_argument("--mtu", type=int_in(68, 65535), default=1500,
                    help="MTU of every link, 68..65535 (9000: jumbo frames, for every mode)")
     p.add_argument("--elems", type=int_in(8, 65528),
@@ -411,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "phases differ only in name")
     p.add_argument("--repeats", type=int_in(1, 1000), default=1,
                    help="runs of every configuration, 1..1000 (medians are reported)")
+    p.add_argument("--busy-neighbour", action="store_true",
+                   help="run every mode beside one CPU-bound process (a spinning Python loop at normal priority), "
+                        "as on a machine that is not quiet (launchers/neighbour.py)")
     p.add_argument("--gro", action=argparse.BooleanOptionalAction, default=True,
                    help="workers and aggregator read runs that arrive whole as one message (UDP_GRO; default: on, "
                         "as in thc-aggregator and train_ddp.py); --no-gro to compare with a run without it")

@@ -31,7 +31,7 @@ from pathlib import Path
 from benchmarks.ddp_netem import GROUP, check_common, output_file, run_as_root
 from topologies.netem import NetemConfig, Topology
 from topologies.netem.ddp import run_training, start_aggregator
-from worker_lib.cli.args import ROTATIONS, comma_list, float_in, int_in
+from worker_lib.cli.args import DDP_ROTATION, ROTATIONS, comma_list, float_in, int_in
 from worker_lib.job import JobConfig
 
 MODES = ("thc", "thc-mcast", "gloo")
@@ -186,8 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mtu", type=int_in(576, 9000), default=1500, help="MTU of every link")
     p.add_argument("--slots", type=int_in(1, 65536), default=512, help="slots S of the THC job")
     p.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0)
-    p.add_argument("--rotation", choices=ROTATIONS, default="per-step",
-                   help="THC's rotation (examples/train_ddp.py --rotation): new signs every step, or fixed")
+    p.add_argument("--rotation", choices=ROTATIONS, default=DDP_ROTATION,
+                   help=f"THC's rotation (examples/train_ddp.py --rotation): fixed or new signs every step "
+                        f"(default {DDP_ROTATION})")
     p.add_argument("--repeats", type=int_in(1, 100), default=1, help="runs of every rate and mode")
     p.add_argument("--run-timeout", type=float_in(1, 86400), default=1800.0, help="seconds for one run")
     p.add_argument("--csv", type=output_file, help="write every evaluation here")

@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from launchers.aggregator_process import local_aggregator, local_tiers
 from sim.data import DATASETS, Dataset, load_dataset, shard_indices
 from sim.models import make_model as make_classifier
-from worker_lib.cli.args import FLOAT_DTYPES, ROTATIONS, comma_list, float_in, fraction, host_port, int_in
+from worker_lib.cli.args import DDP_ROTATION, FLOAT_DTYPES, ROTATIONS, comma_list, float_in, fraction, host_port, int_in
 from worker_lib.ddp import AggregatorUnreachable, DDPHookConfig, THCHookState, register_thc_hook
 from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig, JobConfigError, job_from_mapping
 from worker_lib.transport import STALE_JOB_ADVICE
@@ -101,9 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float_in(0.01, 86400), default=10.0,
                    help="seconds without any answer from the aggregator before failing, 0.01..86400")
     p.add_argument("--no-error-feedback", action="store_true", help="disable THC's error feedback")
-    p.add_argument("--rotation", choices=ROTATIONS, default="per-step",
-                   help="THC's rotation: new random signs every step (the paper's), or one rotation per bucket "
-                        "for the whole run, whose error feedback stays rotated (one transform per step fewer)")
+    p.add_argument("--rotation", choices=ROTATIONS,
+                   help=f"THC's rotation: one rotation per bucket for the whole run, whose error feedback stays "
+                        f"rotated (one transform per step fewer), or new random signs every step (the paper's); "
+                        f"default {DDP_ROTATION}, per-step with --no-error-feedback")
     p.add_argument("--no-overlap", action="store_true", help="exchange inside the hook, not on a thread")
     p.add_argument("--bucket-cap-mb", type=float_in(0.001, 1 << 16), default=25.0, help="DDP bucket size, MB")
     p.add_argument("--task", choices=("regression", *DATASETS), default="regression",

@@ -112,11 +112,12 @@ def test_thc_identical_every_step_and_loss_tracks_ddp(thc_run: dict, baseline: d
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none visible)")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_thc_on_cuda_tensors(tmp_path: Path, dtype: str) -> None:
+@pytest.mark.parametrize("rotation", ["fixed", "per-step"])
+def test_thc_on_cuda_tensors(tmp_path: Path, dtype: str, rotation: str) -> None:
     """Model and gradients on a GPU (both ranks share it where there is one): the hook compresses and
-    decodes on the device, the aggregator sums, the replicas stay bit-identical after every step and
-    the model learns."""
-    s = run_example(tmp_path, "thc", "--device", "cuda", "--dtype", dtype)
+    decodes on the device, with either rotation, the aggregator sums, the replicas stay bit-identical
+    after every step and the model learns."""
+    s = run_example(tmp_path, "thc", "--device", "cuda", "--dtype", dtype, "--rotation", rotation)
     assert s["device"].startswith("cuda") and s["dtype"] == dtype
     assert s["identical_every_step"] == [True] * STEPS
     hook = s["hook"][0]
@@ -135,11 +136,11 @@ def test_uncompressed_job_matches_ddp(tmp_path: Path, baseline: dict) -> None:
 def test_classification_task_learns_and_reports_accuracy(tmp_path: Path) -> None:
     """--task digits: each rank trains on its shard, rank 0 evaluates every --eval-every steps (and after
     the last), the test accuracy climbs far above chance (10 classes: 0.1) through THC, the replicas stay
-    identical and the training clock only moves forward. (With the fixed rotation, whose error feedback
-    stays rotated: the per-step rotation trains in the test above.)"""
+    identical and the training clock only moves forward. (With the paper's per-step rotation: the default
+    fixed one, whose error feedback stays rotated, trains in the test above.)"""
     out = tmp_path / "digits.json"
     rc, text = torchrun(2, "--task", "digits", "--steps", "45", "--eval-every", "20", "--compression", "thc",
-                        "--lr", "0.05", "--rotation", "fixed", "--json-out", str(out))
+                        "--lr", "0.05", "--rotation", "per-step", "--json-out", str(out))
     assert rc == 0, text[-3000:]
     s = json.loads(out.read_text())
     steps, secs, acc = zip(*s["accuracy"], strict=True)
@@ -296,9 +297,10 @@ def test_hook_dtypes_one_worker(one_worker: OneWorkerJobs, dtype: torch.dtype) -
 
 
 def test_error_feedback_survives_bucket_rebuild(one_worker: OneWorkerJobs) -> None:
-    """After a rebuild that regroups parameters, each parameter's error feedback is carried over."""
+    """The per-step rotation: after a rebuild that regroups parameters, each parameter's error feedback is
+    carried over, unrotated (the fixed rotation's rotated errors: the next test)."""
     p1, p2, p3 = _params(500, 700, 300, seed=1)
-    with one_worker.state("thc") as st:
+    with one_worker.state("thc", rotation="per-step") as st:
         st.submit(FakeBucket(0, [p1, p2], last=False)).wait()
         st.submit(FakeBucket(1, [p3], last=True)).wait()
         before = {i: st.error_of(p).clone() for i, p in enumerate((p1, p2, p3))}
@@ -393,6 +395,11 @@ def test_config_validation_and_defaults() -> None:
     job = JobConfig(workers=3)
     assert DDPHookConfig(JobConfig(workers=3)).job.table_id == job.table_id  # the hook's table is the aggregator's
     assert DDPHookConfig().job == JobConfig()  # by default, thc-aggregator's default job
+    # the rotation: fixed where error feedback keeps its error rotated, the paper's per-step signs without it
+    assert DDPHookConfig().rotation == "fixed"
+    assert DDPHookConfig(error_feedback=False).rotation == "per-step"
+    assert DDPHookConfig(error_feedback=False, rotation="fixed").rotation == "fixed"
+    assert DDPHookConfig(rotation="per-step").shared_settings()["rotation"] == "per-step"
     # The job is described once: a world size that is not its worker count is refused, clearly.
     with pytest.raises(ValueError, match="job 1 has 4 workers but the world size is 3"):
         THCHookState(DDPHookConfig(), rank=0, world_size=3)
@@ -405,8 +412,8 @@ def test_ranks_that_disagree_are_named_and_the_key_never_shown() -> None:
     base = DDPHookConfig(JobConfig(workers=2, key=0x5EC12E7))
     same = base.shared_settings()
     assert settings_disagree([same, DDPHookConfig(JobConfig(workers=2, key=0x5EC12E7)).shared_settings()]) is None
-    cases = ((DDPHookConfig(JobConfig(workers=2, key=0x5EC12E7), rotation="fixed"),
-              "disagree on rotation: rank 0 has 'per-step', rank 1 'fixed'"),
+    cases = ((DDPHookConfig(JobConfig(workers=2, key=0x5EC12E7), rotation="per-step"),
+              "disagree on rotation: rank 0 has 'fixed', rank 1 'per-step'"),
              (DDPHookConfig(JobConfig(workers=2, key=0x5EC12E7), loss_policy="zero-fill"),
               "disagree on loss_policy: rank 0 has 'reliable', rank 1 'zero-fill'"),
              (DDPHookConfig(JobConfig(workers=2, key=0x5EC12E7, granularity=20)),
@@ -442,13 +449,13 @@ from worker_lib.ddp import AggregatorStateError, DDPHookConfig, register_thc_hoo
 from worker_lib.job import parse_job_spec
 from worker_lib.thc import fused
 
-port, spec = int(sys.argv[1]), sys.argv[2]
+port, spec, rotation = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     free = s.getsockname()[1]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free}", rank=0, world_size=1)
 model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 10)))
-cfg = DDPHookConfig(parse_job_spec(spec), aggregator=("127.0.0.1", port), deadline=5.0)
+cfg = DDPHookConfig(parse_job_spec(spec), aggregator=("127.0.0.1", port), deadline=5.0, rotation=rotation)
 
 def loaded():
     return {n: [str(s) for s in f.signatures] for n, f in vars(fused).items() if isinstance(f, CPUDispatcher)}
@@ -470,19 +477,23 @@ dist.destroy_process_group()
 """
 
 
-def test_hook_registration_loads_what_the_first_step_runs(one_worker: OneWorkerJobs) -> None:
+@pytest.mark.parametrize(("rotation", "passes"), [
+    ("fixed", ("add_squares_into", "quantize_residual_into", "unscale_signs_into", "estimate_into")),
+    ("per-step", ("sum_signs_pad_only", "quantize_residual_into", "unscale_signs_into", "estimate_into"))])
+def test_hook_registration_loads_what_the_first_step_runs(one_worker: OneWorkerJobs, rotation: str,
+                                                          passes: tuple[str, ...]) -> None:
     """register_thc_hook loads the codec's compiled passes (numba's set-up and each pass's code) before
     training: the hook's first steps load none (in a first step it took 0.6 s of a 0.03 s step), and the
-    passes a step runs are among those loaded at registration, with the types the step uses. A second
-    registration on the same job raises AggregatorStateError."""
+    passes a step runs are among those loaded at registration, with the types the step uses, for either
+    rotation. A second registration on the same job raises AggregatorStateError."""
     job = one_worker.jobs["thc"].pop()
-    proc = subprocess.run([sys.executable, "-c", _FIRST_STEP, str(one_worker.port), job.spec()], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", _FIRST_STEP, str(one_worker.port), job.spec(), rotation],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["buckets"] >= 2  # the steps went through the hook
     assert seen["trained"] == seen["registered"]  # nothing loaded inside the steps
-    for name in ("sum_signs_pad_only", "quantize_residual_into", "unscale_signs_into", "estimate_into"):
+    for name in passes:
         assert seen["registered"][name], f"{name} was not loaded at registration"
     # registering again on the job the first run used is refused at once (Transport.open_run)
     assert "start each run with a fresh job" in seen["again"], seen["again"]

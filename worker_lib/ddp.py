@@ -17,8 +17,9 @@ Why it is built this way:
 - **Error feedback keyed by parameter.** DDP rebuilds its buckets after the first iteration (and
   may again); the error of each parameter's coordinates is kept in a per-parameter view, so a
   bucket whose parameter set changes starts from the errors its parameters carried before. With
-  ``rotation="fixed"`` a bucket's error is kept rotated (no inverse transform per step, see
-  ``worker_lib.thc.THCWorker``) and is rotated back into its parameters only when a rebuild moves them.
+  ``rotation="fixed"`` (the default with error feedback: docs/ddp.md says why) a bucket's error is kept
+  rotated (no inverse transform per step, see ``worker_lib.thc.THCWorker``) and is rotated back into its
+  parameters only when a rebuild moves them.
 - **Bit-identical replicas.** Every rank decodes the same integer sums with the same max norm and
   the same rotation, so the averages (and thus the parameters) agree bit for bit. With the
   ``zero-fill`` loss policy a chunk may be lost for one rank and not for another; replicas can then
@@ -56,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from worker_lib.allreduce import TransportExchange, check_table, thc_allreduce
+from worker_lib.cli.args import DDP_ROTATION
 from worker_lib.job import JobConfig
 from worker_lib.thc import THCConfig, THCWorker
 from worker_lib.thc.codec import Rotation, warm_up
@@ -102,10 +104,13 @@ class DDPHookConfig:
     overlap: bool = True  #: exchange on a background thread (overlaps backward); False: inside the hook
     seed: int = 0  #: seeds the stochastic quantization (mixed with the rank)
     gro: bool = True  #: read answers that arrive as one run as one message (UDP_GRO; TransportConfig.gro)
-    #: the rotation's signs per step (the paper's) or fixed, with error feedback kept rotated (THCConfig.rotation)
-    rotation: Rotation = "per-step"
+    #: one rotation per bucket, with error feedback kept rotated, or new signs every step (the paper's;
+    #: THCConfig.rotation). None: fixed with error feedback, per-step without (docs/ddp.md says why)
+    rotation: Rotation | None = None
 
     def __post_init__(self) -> None:
+        if self.rotation is None:  # frozen: the chosen default is the setting the ranks compare
+            object.__setattr__(self, "rotation", DDP_ROTATION if self.error_feedback else "per-step")
         if self.job.kind not in ("thc", "uncompressed"):
             raise ValueError(f"the job's kind must be 'thc' or 'uncompressed' for the DDP hook, got {self.job.kind!r}")
         if self.loss_policy not in ("reliable", "zero-fill"):
