@@ -281,6 +281,33 @@ def test_fixed_rotation_with_caller_kept_error() -> None:
     assert torch.equal(own.error(0), before)
 
 
+def test_fixed_rotation_without_the_compiled_passes_telescopes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fixed rotation's generic path (torch operations: what a GPU runs, and the CPU for an error it
+    cannot hand to the compiled passes, here a strided view): the caller's rotated error is added with
+    torch, the quantization draws its uniforms with ``fill`` and writes the residual with torch, and the
+    telescoping sum of error feedback holds as on the compiled path."""
+    d = 1000
+    w = THCWorker(THCConfig(error_feedback=False, rotation="fixed"), job=3, seed=6)
+    fills = []
+    real_fill = w.codec.uniforms.fill
+    monkeypatch.setattr(w.codec.uniforms, "fill", lambda out: fills.append(out.numel()) or real_fill(out))
+    storage = torch.zeros(2 * 1024)
+    error = storage[::2]  # rotated, of the padded length, and not contiguous
+    assert not error.is_contiguous()
+    gen = torch.Generator().manual_seed(3)
+    total_grad = torch.zeros(d, dtype=torch.float64)
+    total_est = torch.zeros(d, dtype=torch.float64)
+    for step in range(5):
+        g = torch.randn(d, generator=gen)
+        total_grad += g.double()
+        enc = w.compress(0, w.begin(g, 0, step, error=error))
+        total_est += w.finish(0, w.codec.aggregate([enc.indices]), 1).double()
+    assert fills == [1024] * 5  # every step quantized by the generic path
+    err = w.error_from_rotated(0, error.contiguous(), d).double()
+    assert float(err.norm()) > 0.01 * math.sqrt(d)  # an error was carried
+    assert torch.allclose(total_est + err, total_grad, atol=1e-3)
+
+
 def test_config_choices_are_checked() -> None:
     """An unknown backend or rotation is refused by name, with the choices (it used to pass as auto)."""
     with pytest.raises(ValueError, match="backend must be one of 'auto', 'torch', 'fht-cpu', got 'bogus'"):
