@@ -197,6 +197,21 @@ def test_a_step_whose_error_was_overwritten_cannot_be_quantized_again():
     assert torch.equal(keeper.compress(0, 2 * n2).indices, plain.compress(0, 2 * n2).indices)
 
 
+def steps_of_one_worker(w: THCWorker, d: int, steps: int, seed: int,
+                        error: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``steps`` steps of tensor 0 through one worker alone (the sums are its own table values) with random
+    gradients: the sum of the gradients and the sum of the decoded averages, in float64."""
+    gen = torch.Generator().manual_seed(seed)
+    total_grad = torch.zeros(d, dtype=torch.float64)
+    total_est = torch.zeros(d, dtype=torch.float64)
+    for step in range(steps):
+        g = torch.randn(d, generator=gen)
+        total_grad += g.double()
+        enc = w.compress(0, w.begin(g, 0, step, error=error))
+        total_est += w.finish(0, w.codec.aggregate([enc.indices]), 1).double()
+    return total_grad, total_est
+
+
 @pytest.mark.parametrize("d", [1024, 1000])
 def test_fixed_rotation_keeps_its_error_rotated_and_telescopes(d: int) -> None:
     """``rotation="fixed"``: one key for every step, the error feedback kept rotated at the padded length,
@@ -205,14 +220,7 @@ def test_fixed_rotation_keeps_its_error_rotated_and_telescopes(d: int) -> None:
     w = THCWorker(THCConfig(bits=2, granularity=3, p=0.05, rotation="fixed"), job=9, seed=4)
     assert w.key(0, 7) == w.key(0, 0) != w.key(1, 0)
     assert THCWorker(THCConfig(), job=9).key(0, 7) != THCWorker(THCConfig(), job=9).key(0, 0)
-    gen = torch.Generator().manual_seed(1)
-    total_grad = torch.zeros(d, dtype=torch.float64)
-    total_est = torch.zeros(d, dtype=torch.float64)
-    for step in range(6):
-        g = torch.randn(d, generator=gen)
-        total_grad += g.double()
-        enc = w.compress(0, w.begin(g, tensor=0, step=step))
-        total_est += w.finish(0, w.codec.aggregate([enc.indices]), 1).double()
+    total_grad, total_est = steps_of_one_worker(w, d, 6, seed=1)
     rotated = w.error(0)
     assert rotated.shape == (1024,)  # the padded length
     err = w.error_from_rotated(0, rotated, d).double()
@@ -294,14 +302,7 @@ def test_fixed_rotation_without_the_compiled_passes_telescopes(monkeypatch: pyte
     storage = torch.zeros(2 * 1024)
     error = storage[::2]  # rotated, of the padded length, and not contiguous
     assert not error.is_contiguous()
-    gen = torch.Generator().manual_seed(3)
-    total_grad = torch.zeros(d, dtype=torch.float64)
-    total_est = torch.zeros(d, dtype=torch.float64)
-    for step in range(5):
-        g = torch.randn(d, generator=gen)
-        total_grad += g.double()
-        enc = w.compress(0, w.begin(g, 0, step, error=error))
-        total_est += w.finish(0, w.codec.aggregate([enc.indices]), 1).double()
+    total_grad, total_est = steps_of_one_worker(w, d, 5, seed=3, error=error)
     assert fills == [1024] * 5  # every step quantized by the generic path
     err = w.error_from_rotated(0, error.contiguous(), d).double()
     assert float(err.norm()) > 0.01 * math.sqrt(d)  # an error was carried
