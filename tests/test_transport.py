@@ -23,6 +23,7 @@ from aggregator.control import ControlAddress, send_command
 from aggregator.server import AggregatorServer, ServerConfig
 from launchers.aggregator_process import local_aggregator
 from tests.transport_support import opened_runs
+from worker_lib import pacing
 from worker_lib.allreduce import THCAllreduce
 from worker_lib.job import JobConfig
 from worker_lib.pacing import PROBE_USES
@@ -784,7 +785,7 @@ def test_a_late_peer_costs_one_probe_per_timeout(stale: bool) -> None:
 
 
 def exchange_with_a_stalling_peer(stall_after: int) -> tuple[np.ndarray, Transport]:
-    """Worker 1 stops for 0.3 s after its ``stall_after``-th datagram of an exchange of 2 x 64 uses (its
+    """Worker 1 stops for 0.3 s after its ``stall_after``-th use of an exchange of 2 x 64 uses (its
     thread not scheduled, as on shared cores), while worker 0, which knows the round trip from an exchange
     before, has a window of later uses in flight. Returns how many datagrams worker 0 sent per slot in that
     exchange (datagram by datagram, gso=False, to see each one), and worker 0's transport. Exact."""
@@ -799,15 +800,16 @@ def exchange_with_a_stalling_peer(stall_after: int) -> tuple[np.ndarray, Transpo
                 sent.append(slot)
             super()._send(data, slot)
 
-    class Stalling(Transport):
+    first_sends: set[bytes] = set()
+
+    class Stalling(Transport):  # counts first sends only: a resend (a loaded machine's) does not move the stall
         stall_after: int | None = None
-        count = 0
 
         def _send(self, data: bytes, slot: int) -> None:
             super()._send(data, slot)
-            if self.stall_after is not None:
-                self.count += 1
-                if self.count == self.stall_after:
+            if self.stall_after is not None and bytes(data) not in first_sends:  # a resend repeats its bytes
+                first_sends.add(bytes(data))
+                if len(first_sends) == self.stall_after:
                     time.sleep(0.3)
 
     idx = random_indices(cfg, 2 * cfg.slots)
@@ -839,23 +841,24 @@ def test_a_peer_that_stalls_mid_exchange_costs_one_probe_per_timeout() -> None:
     per_slot, _ = exchange_with_a_stalling_peer(40)  # two uses per slot, each sent once, and the probes
     # the use after worker 1's 40th (slot 40), the oldest open one, probes; of the others, at most a few
     # whose timers ran out before the silence was half a timeout long went again, once each (a loaded
-    # machine spreads the timers out); never the window
+    # machine spreads the timers out, and its late answers may cost a spurious resend); never the window
     others = np.delete(per_slot, 40)
-    assert (per_slot >= 2).all() and per_slot[40] > 3 and others.max() <= 3, per_slot
+    assert (per_slot >= 2).all() and per_slot[40] > 3 and others.max() <= 4, per_slot
     assert np.count_nonzero(others > 2) <= 64 // 4, per_slot
 
 
 def test_a_peer_that_stalls_at_the_end_of_an_exchange_costs_one_probe_per_timeout() -> None:
     """Worker 1 stalls after its 100th datagram of 128: worker 0 has sent them all, and its last 28 uses
     wait 0.3 s on a silent path. It probes with its oldest open use, one per timeout, as in the middle of
-    an exchange; of the others at most a tail probe's worth (``PROBE_USES``) go again. (Before, where no
+    an exchange; of the others at most a tail probe's worth (``PROBE_USES``) go again, once each, and on a
+    loaded machine as many again whose answers came late. (Before, where no
     later use was left to send, every use due was resent: the 27 after the oldest went again, and at 10
     Gbit/s a DDP step whose peer was late resent its last window, 250-360 uses, in about one step in 30.)"""
     per_slot, _ = exchange_with_a_stalling_peer(100)
     oldest = 100 - 64  # the second use of slot 36 is the 101st
     others = np.delete(per_slot, oldest)
     assert (per_slot >= 2).all() and per_slot[oldest] > 3, per_slot
-    assert others.max() <= 3 and np.count_nonzero(others > 2) <= PROBE_USES, per_slot
+    assert others.max() <= 4 and np.count_nonzero(others > 2) <= 2 * PROBE_USES, per_slot
 
 
 @contextlib.contextmanager
@@ -1008,14 +1011,16 @@ def exchange_losing(nth: int, policy: str, seed: int, hold_after: int | None = N
 
 
 @pytest.mark.parametrize("warm", [False, True])
-def test_answers_to_a_tail_probe_show_the_uses_lost_before_it(warm: bool) -> None:
+def test_answers_to_a_tail_probe_show_the_uses_lost_before_it(warm: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """One worker sends 64 uses in one go (64 slots, window 64), and the last 20 are lost: the answers stop
     after use 43. The tail probe resends the last 8 (56..63); their answers show that uses 44..55, first
     sent before them, are lost too (RACK on the order of first sends): those go again at once, not at their
     timeouts. Cold (0.2 s timeouts) the 12 go by RACK. Warm (three lossless exchanges first: the timeout at
-    its 2 ms floor, as long as the probe's gap) the timers run out with the probe, and the stall they look
-    like must not take the probe away: 8 probed and at least 11 by RACK (the oldest may go by its timer);
-    a lost probe left the 20 to go one per timeout. Exact; each lost use is resent once."""
+    its floor, as long as the probe's gap; both floors 50 ms here, not 2, so that a loaded machine's round
+    trips stay below them) the timers run out with the probe, and the stall they look like must not take
+    the probe away: 8 probed and at least 11 by RACK (the oldest may go by its timer);
+    a lost probe left the 20 to go one per timeout. Exact; each lost use is resent once, and cold none
+    waited for its timeout."""
     cfg = JobConfig(workers=1, slots=64, elems=K)
     seen: set[int] = set()
     losing = not warm
@@ -1029,7 +1034,10 @@ def test_answers_to_a_tail_probe_show_the_uses_lost_before_it(warm: bool) -> Non
                 super()._send(data, slot)
 
     idx = np.random.default_rng(3).integers(0, 16, 64 * K).astype(np.uint8)
-    timeouts = {} if warm else {"timeout": 0.2, "min_timeout": 0.2}
+    floor = 0.05 if warm else 0.2
+    timeouts = {"timeout": floor, "min_timeout": floor}
+    if warm:
+        monkeypatch.setattr(pacing, "PROBE_MIN_S", floor)
     with serving_apart(cfg) as srv_port, LosingTheTail(TransportConfig(
             cfg, worker=0, aggregator=("127.0.0.1", srv_port), window=64, initial_window=64, gso=False,
             **timeouts)) as tr:
@@ -1047,7 +1055,7 @@ def test_answers_to_a_tail_probe_show_the_uses_lost_before_it(warm: bool) -> Non
                              for k in ("retransmissions", "tail_probes", "early_retransmissions"))
     assert resent == 20 and probes == PROBE_USES, tr.stats
     assert early >= 20 - PROBE_USES - 1 if warm else early == 20 - PROBE_USES, tr.stats
-    assert wall < 0.15, wall
+    assert warm or wall < floor, wall  # cold: no use waited for its timeout
 
 
 @pytest.mark.parametrize("policy", ["reliable", "zero-fill"])
