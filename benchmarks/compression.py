@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(res))
             return
         print(f"THC b={args.bits} g={args.granularity} d={args.dim} float32 on {res['device']}, the DDP hook's "
-              f"arrangement ({res['threads']} threads, {args.rotation} rotation), median of {res['repeats']}, "
+              f"arrangement ({res['threads']} threads, {config.rotation} rotation), median of {res['repeats']}, "
               "ms per step:")
         print("  " + "  ".join(f"{name} {res[f'{name}_ms']:.2f}" for name in ("begin", "compress", "error", "finish"))
               + f"  total {res['total_ms']:.2f}")

@@ -263,6 +263,17 @@ def test_compression_hook_times_every_phase() -> None:
     assert r["dim"] == 5000 and r["repeats"] == 2
 
 
+@pytest.mark.parametrize(("extra", "rotation"), [((), "fixed"), (("--rotation", "per-step"), "per-step")])
+def test_compression_hook_measures_the_hooks_rotation(capsys: pytest.CaptureFixture[str], extra: tuple[str, ...],
+                                                      rotation: str) -> None:
+    """--hook measures the DDP hook's default rotation (fixed, with its error feedback) unless asked for
+    another, and says which."""
+    from benchmarks.compression import main
+
+    main(["--hook", "--dim", "4096", "--repeats", "1", "--threads", "1", *extra])
+    assert f"1 threads, {rotation} rotation" in capsys.readouterr().out
+
+
 def test_ddp_netem_pairs_each_run_with_gloo_on_the_same_links(capsys: pytest.CaptureFixture[str]) -> None:
     """'x gloo' divides a run's step by gloo's run of the same repeat (same links, minutes apart), not by
     whichever gloo run came last; over repeats the report gives the median and the range (worked by hand)."""
