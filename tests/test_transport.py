@@ -784,11 +784,11 @@ def test_a_late_peer_costs_one_probe_per_timeout(stale: bool) -> None:
     assert np.array_equal(res.sums, want) and np.array_equal(out["w1"].sums, want)
 
 
-def exchange_with_a_stalling_peer(stall_after: int) -> tuple[np.ndarray, Transport]:
+def exchange_with_a_stalling_peer(stall_after: int) -> np.ndarray:
     """Worker 1 stops for 0.3 s after its ``stall_after``-th use of an exchange of 2 x 64 uses (its
     thread not scheduled, as on shared cores), while worker 0, which knows the round trip from an exchange
     before, has a window of later uses in flight. Returns how many datagrams worker 0 sent per slot in that
-    exchange (datagram by datagram, gso=False, to see each one), and worker 0's transport. Exact."""
+    exchange (datagram by datagram, gso=False, to see each one). Exact."""
     cfg = JobConfig(workers=2, slots=64, elems=K)
     sent: list[int] = []
 
@@ -807,8 +807,8 @@ def exchange_with_a_stalling_peer(stall_after: int) -> tuple[np.ndarray, Transpo
 
         def _send(self, data: bytes, slot: int) -> None:
             super()._send(data, slot)
-            if self.stall_after is not None and bytes(data) not in first_sends:  # a resend repeats its bytes
-                first_sends.add(bytes(data))
+            if self.stall_after is not None and (payload := bytes(data)) not in first_sends:  # a resend repeats it
+                first_sends.add(payload)
                 if len(first_sends) == self.stall_after:
                     time.sleep(0.3)
 
@@ -830,15 +830,15 @@ def exchange_with_a_stalling_peer(stall_after: int) -> tuple[np.ndarray, Transpo
         th.join(10)
     want = oracle(cfg, idx, [0, 1])
     assert np.array_equal(res.sums, want) and np.array_equal(out["w1"].sums, want)
-    return np.bincount(sent, minlength=cfg.slots), t0
+    return np.bincount(sent, minlength=cfg.slots)
 
 
 def test_a_peer_that_stalls_mid_exchange_costs_one_probe_per_timeout() -> None:
-    """Worker 1 stalls after its 40th datagram of 128: worker 0's window of later uses times out together
+    """Worker 1 stalls after its 40th use of 128: worker 0's window of later uses times out together
     on a silent path. Worker 0 probes with its oldest open use, one per timeout, and resends at most a few
     of the others (before, the whole window went again at the first expiry: 76 resends against 27 in one
     run). Exact."""
-    per_slot, _ = exchange_with_a_stalling_peer(40)  # two uses per slot, each sent once, and the probes
+    per_slot = exchange_with_a_stalling_peer(40)  # two uses per slot, each sent once, and the probes
     # the use after worker 1's 40th (slot 40), the oldest open one, probes; of the others, at most a few
     # whose timers ran out before the silence was half a timeout long went again, once each (a loaded
     # machine spreads the timers out, and its late answers may cost a spurious resend); never the window
@@ -848,13 +848,13 @@ def test_a_peer_that_stalls_mid_exchange_costs_one_probe_per_timeout() -> None:
 
 
 def test_a_peer_that_stalls_at_the_end_of_an_exchange_costs_one_probe_per_timeout() -> None:
-    """Worker 1 stalls after its 100th datagram of 128: worker 0 has sent them all, and its last 28 uses
+    """Worker 1 stalls after its 100th use of 128: worker 0 has sent them all, and its last 28 uses
     wait 0.3 s on a silent path. It probes with its oldest open use, one per timeout, as in the middle of
     an exchange; of the others at most a tail probe's worth (``PROBE_USES``) go again, once each, and on a
     loaded machine as many again whose answers came late. (Before, where no
     later use was left to send, every use due was resent: the 27 after the oldest went again, and at 10
     Gbit/s a DDP step whose peer was late resent its last window, 250-360 uses, in about one step in 30.)"""
-    per_slot, _ = exchange_with_a_stalling_peer(100)
+    per_slot = exchange_with_a_stalling_peer(100)
     oldest = 100 - 64  # the second use of slot 36 is the 101st
     others = np.delete(per_slot, oldest)
     assert (per_slot >= 2).all() and per_slot[oldest] > 3, per_slot

@@ -668,12 +668,13 @@ class Transport:
             return int(notice["tensor"]) == tensor and int(notice["chunk"]) in {
                 int.from_bytes(bytes(d[_CHUNK_AT:_CHUNK_AT + 4]), "big") for d in datagrams}
 
-        def deadlines(base: int, nxt: int, now: float, probing: bool) -> tuple[np.ndarray, int, float]:
+        def deadlines(base: int, nxt: int, now: float, probe_now: bool = False) -> tuple[np.ndarray, int, float]:
             """The open uses of base..nxt-1 due to be resent at ``now`` (a view that the next call
             overwrites), how many of them RACK found lost, and the earliest deadline of any open use
             (``worker_lib.resend_timers``: by its timer, or by RACK for a use sent before one answered).
-            ``probing``: the tail is probed now, or was since the path last spoke."""
+            ``probe_now``: the tail is probed in this pass (or it was since the path last spoke)."""
             pacer = self.pacer
+            probing = probe_now or probed_for == last_answer
             rack = rack_use if early else -1
             from_heard = early and pacer.rtt is not None
             args = (base, nxt, now, sent_at, heard_since, tries, done, from_heard, pacer.base_rto(),
@@ -823,7 +824,7 @@ class Transport:
             # Resend or give up what is due (each resend backs that use's timeout off, see pacing.py);
             # the tail probe first: the timers it finds due with it may be a stall's
             probe = tail_probe(base, now)[0]
-            due, n_early, _ = deadlines(base, nxt, now, probe.size > 0 or probed_for == last_answer)
+            due, n_early, _ = deadlines(base, nxt, now, probe.size > 0)
             if due.size or probe.size:
                 # Answers that came while this thread did not run (descheduled on a busy core, or the GIL
                 # held by the training loop) wait in the socket: they are not losses. Take them first.
@@ -831,7 +832,7 @@ class Transport:
                 receive(self.socks)
                 if last_answer != spoke:  # the path spoke: no probe now. (Else keep this one: a stall found
                     probe = tail_probe(base, now)[0]  # with it took the probed uses' hearing away)
-                due, n_early, _ = deadlines(base, nxt, now, probe.size > 0 or probed_for == last_answer)
+                due, n_early, _ = deadlines(base, nxt, now, probe.size > 0)
             self.stats.early_retransmissions += n_early  # resent because later answers showed them lost
             if due.size and paced:
                 burst = extend_loss_runs(runs, due[tries[due] == 0], self.pacer.burst_run())
@@ -890,7 +891,7 @@ class Transport:
                 base += 1
             if base >= count or room(base, nxt):
                 continue
-            next_at = deadlines(base, nxt, now, probed_for == last_answer)[2]
+            next_at = deadlines(base, nxt, now)[2]
             next_at = min(next_at, tail_probe(base, now)[1])
             wait = max(0.0, next_at - now) if next_at < math.inf else 0.0
             waited = time.monotonic()
