@@ -316,10 +316,11 @@ def phase_report(rows: list[dict], warmup: int) -> None:
           "where the extra goes, medians over the pairs, lossy minus lossless per step: tail, an exchange's time after "
           "its last new use; slots, sending stopped behind the oldest open use's slot; window, sending stopped by "
           "a full window; the hook's encode, network and decode phases; the CPU of rank 0's hook thread, of its "
-          "whole process and of the aggregator)")
+          "whole process and of the aggregator; probes: rank 0's tail probes per lossy step, the losses at an "
+          "exchange's end that only silence showed)")
     print(f"{'rate':>8} {'loss':>5} {'mode':<12} {'pairs':>5} {'lossless':>9} {'lossy':>9} {'extra ms':>9} "
           f"{'90 % interval':>15} {'resent ms (rank 0)':>18} {'verdict':<9} | {'tail':>5} {'slots':>6} {'window':>6} "
-          f"{'encode':>6} {'network':>7} {'decode':>6} {'hookcpu':>7} {'cpu':>6} {'aggcpu':>6}")
+          f"{'encode':>6} {'network':>7} {'decode':>6} {'hookcpu':>7} {'cpu':>6} {'aggcpu':>6} {'probes':>6}")
     for rate, mode, pct in sorted({(r["rate_mbit"], r["mode"], r["loss"]) for r in rows}):
         same = [r for r in rows if (r["rate_mbit"], r["mode"], r["loss"]) == (rate, mode, pct)]
         cmp = compare_phases([(r["step_marks"], r["switches"], warmup) for r in same])
@@ -333,7 +334,8 @@ def phase_report(rows: list[dict], warmup: int) -> None:
               f"{cmp.verdict(size, rate):<9} | "
               + " ".join(f"{cmp.grown.get(k, math.nan) * 1e3:{w}.1f}" for k, w in (
                   ("tail_s", 5), ("slot_bound_s", 6), ("window_bound_s", 6), ("encode_s", 6), ("network_s", 7),
-                  ("decode_s", 6), ("hook_cpu_s", 7), ("cpu_s", 6), ("aggregator_cpu_s", 6))))
+                  ("decode_s", 6), ("hook_cpu_s", 7), ("cpu_s", 6), ("aggregator_cpu_s", 6)))
+              + f" {cmp.probes_per_step:6.2f}")
 
 
 def plot(rows: list[dict], path: Path) -> None:

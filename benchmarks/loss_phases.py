@@ -91,7 +91,7 @@ class LossPhases:
 #: ``examples/train_ddp.py``'s ``step_marks`` (the first two, rank 0's resends and every rank's, also give
 #: ``resent_per_step`` and ``resent_all_per_step``).
 COUNTERS = ("retransmissions", "retransmissions_all", "tail_s", "slot_bound_s", "window_bound_s", "encode_s",
-            "network_s", "decode_s", "hook_cpu_s", "cpu_s")
+            "network_s", "decode_s", "hook_cpu_s", "cpu_s", "tail_probes")
 
 
 def steps_by_phase(marks: list[dict[str, float]], switches: list[Switch],
@@ -128,6 +128,8 @@ class PhaseComparison:
     #: mean datagrams resent per lossy step by all ranks. Each crosses the aggregator's link, which carries
     #: every worker's uses and so is the busiest: their bytes are the wire time that loss must cost.
     resent_all_per_step: float
+    #: mean tail probes per lossy step (rank 0): each is a loss at an exchange's end found by silence alone
+    probes_per_step: float = 0.0
     #: per counter of ``COUNTERS`` but the first two, the median over the pairs of how much more it grew per step
     #: in the lossy phase than in the lossless one (where the extra goes); "aggregator_cpu_s" too where the
     #: switches read it (the difference of its CPU per second of the two phases, times the lossy step)
@@ -167,13 +169,14 @@ def compare_phases(runs: list[tuple[list[dict[str, float]], list[Switch], int]])
     diffs: list[list[float]] = []  # per pair: step, then each counter's growth (lossy - lossless medians)
     lossless: list[float] = []
     lossy: list[float] = []
-    resent: list[tuple[float, float]] = []  # per lossy step: rank 0's resends, all ranks'
+    resent: list[tuple[float, float, float]] = []  # per lossy step: rank 0's resends, all ranks', rank 0's probes
+    probes = 1 + COUNTERS.index("tail_probes")
     for marks, switches, warmup in runs:
         phases = steps_by_phase(marks, switches, warmup)
         for j, phase in enumerate(phases):
             (lossy if switches[j].lossy else lossless).extend(step[0] for step in phase)
             if switches[j].lossy:
-                resent.extend(step[1:3] for step in phase)
+                resent.extend((*step[1:3], step[probes]) for step in phase)
             elif j + 1 < len(phases) and switches[j + 1].lossy and phase and phases[j + 1]:
                 pair = [statistics.median(b) - statistics.median(a)
                         for a, b in zip(zip(*phase, strict=True), zip(*phases[j + 1], strict=True), strict=True)]
@@ -191,7 +194,8 @@ def compare_phases(runs: list[tuple[list[dict[str, float]], list[Switch], int]])
                            lossless_s=statistics.median(lossless), lossy_s=statistics.median(lossy),
                            extra_s=float(med[0]), low_s=low, high_s=high,
                            resent_per_step=statistics.fmean(r[0] for r in resent),
-                           resent_all_per_step=statistics.fmean(r[1] for r in resent), grown=grown)
+                           resent_all_per_step=statistics.fmean(r[1] for r in resent),
+                           probes_per_step=statistics.fmean(r[2] for r in resent), grown=grown)
 
 
 def _cpu_rate(switches: list[Switch], j: int) -> float:

@@ -210,6 +210,7 @@ def accuracy(model: nn.Module, data: Dataset, device: torch.device, dtype: torch
 #: What a step mark records of rank 0's running counters: its name, and the attribute of the transport's or
 #: the hook's stats it reads. ``benchmarks/loss_phases.py`` reads the marks by these names.
 STEP_COUNTERS = (("retransmissions", "transport", "retransmissions"), ("tail_s", "transport", "tail_s"),
+                 ("tail_probes", "transport", "tail_probes"),
                  ("slot_bound_s", "transport", "slot_bound_s"), ("window_bound_s", "transport", "window_bound_s"),
                  ("encode_s", "hook", "encode_s"), ("network_s", "hook", "network_s"),
                  ("decode_s", "hook", "decode_s"), ("hook_cpu_s", "hook", "cpu_s"))

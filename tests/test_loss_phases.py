@@ -30,15 +30,15 @@ def _switches(*starts: float, cpu: tuple[float, ...] = ()) -> list[Switch]:
             for i, (t, c) in enumerate(zip(starts, cpu, strict=True))]
 
 
-def _mark(start: float, end: float, resent: int, tail: float = 0.0, resent_all: int | None = None
+def _mark(start: float, end: float, resent: int, tail: float = 0.0, resent_all: int | None = None, probes: int = 0
           ) -> dict[str, float]:
     """A step mark as ``examples/train_ddp.py`` writes it: start, end, the running counters by name
-    (rank 0's retransmissions, all ranks' (twice rank 0's unless given) and tail_s given, the others held at
+    (rank 0's retransmissions, all ranks' (twice rank 0's unless given) tail_s and tail_probes given, the others held at
     0 here, one that is not compared too)."""
     return {"start": start, "end": end, "retransmissions": resent,
             "retransmissions_all": 2 * resent if resent_all is None else resent_all, "tail_s": tail,
             "slot_bound_s": 0.0, "window_bound_s": 0.0, "encode_s": 0.0, "network_s": 0.0, "decode_s": 0.0,
-            "hook_cpu_s": 0.0, "cpu_s": 0.0, "not_compared": 99.0}
+            "hook_cpu_s": 0.0, "cpu_s": 0.0, "tail_probes": probes, "not_compared": 99.0}
 
 
 def test_steps_are_assigned_to_the_phase_they_ran_in_wholly() -> None:
@@ -67,7 +67,8 @@ def test_each_lossy_phase_is_compared_with_the_lossless_one_before_it() -> None:
     run_a = ([_mark(0.1, 0.2, 0), _mark(0.2, 0.3, 0),                 # phase 0 (lossless): 100 ms steps
               _mark(1.1, 1.21, 3, 0.002), _mark(1.3, 1.41, 6, 0.004),  # phase 1 (1 %): 110 ms, 3 resent each
               _mark(2.1, 2.3, 6, 0.004), _mark(2.3, 2.5, 6, 0.004),   # phase 2 (lossless): 200 ms
-              _mark(3.1, 3.31, 7, 0.006), _mark(3.4, 3.61, 8, 0.008)],  # phase 3 (1 %): 210 ms, 1 resent each
+              _mark(3.1, 3.31, 7, 0.006, probes=1), _mark(3.4, 3.61, 8, 0.008, probes=3)],  # phase 3 (1 %): 210 ms,
+             # 1 resent each, 1 and 2 tail probes
              _switches(0.0, 1.0, 2.0, 3.0, cpu=(0.0, 0.5, 1.1, 1.6)), 0)
     run_b = ([_mark(0.1, 0.25, 0), _mark(1.1, 1.254, 4, resent_all=5)], _switches(0.0, 1.0), 0)
     cmp = compare_phases([run_a, run_b])
@@ -78,6 +79,7 @@ def test_each_lossy_phase_is_compared_with_the_lossless_one_before_it() -> None:
     assert (cmp.low_s, cmp.high_s) == (-math.inf, math.inf)  # 3 pairs are too few for a 90 % interval
     assert cmp.resent_per_step == pytest.approx((3 + 3 + 1 + 1 + 4) / 5)
     assert cmp.resent_all_per_step == pytest.approx((6 + 6 + 2 + 2 + 5) / 5)
+    assert cmp.probes_per_step == pytest.approx((1 + 2) / 5)
     assert cmp.grown == pytest.approx({"tail_s": 0.002, **{k: 0.0 for k in COUNTERS[3:]},
                                        "aggregator_cpu_s": 0.1 * 0.154})
 
