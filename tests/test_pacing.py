@@ -81,7 +81,8 @@ def test_the_oldest_use_of_a_window_is_never_backed_off_for_silence() -> None:
     def due(now: float) -> tuple[list[int], float]:
         out = np.empty(3, np.int64)
         n, _, next_at = due_uses(0, 3, now, sent_at, heard, tries, done, False, p.base_rto(), p.backoff_cap(),
-                                 p.backoff_cap(100.0), p.max_timeout, -np.inf, -1, 0.0, 0.0, -1, out)
+                                 p.backoff_cap(100.0), p.max_timeout, -np.inf, -1, 0.0, 0.0, -1, out,
+                                 np.empty(3, bool))
         return out[:n].tolist(), next_at
 
     assert due(0.0059) == ([2], pytest.approx(0.003))  # the oldest: 6 ms; the second: 192 ms; the third: 3 ms

@@ -13,8 +13,9 @@ from worker_lib.resend_timers import due_uses
 def reference(base: int, nxt: int, now: float, sent_at: np.ndarray, heard: np.ndarray, tries: np.ndarray,
               done: np.ndarray, from_heard: bool, rto_base: float, cap_oldest: int, cap_rest: int,
               max_timeout: float, rack_sent: float, rack_use: int, rack_rtt: float,
-              margin: float, rack_above: int) -> tuple[list[int], int, float]:
-    """Due uses, RACK's share of them and the earliest deadline, by whole-window array expressions."""
+              margin: float, rack_above: int) -> tuple[list[int], list[bool], int, float]:
+    """Due uses, whether RACK made each due, RACK's share of them and the earliest deadline, by whole-window
+    array expressions."""
     at = sent_at[base:nxt]
     start = at
     if from_heard and at.size:
@@ -33,7 +34,7 @@ def reference(base: int, nxt: int, now: float, sent_at: np.ndarray, heard: np.nd
     open_ = ~done[base:nxt]
     due_at = np.minimum(timer_at, rack_at)
     due = np.flatnonzero(open_ & (due_at <= now))
-    return ((base + due).tolist(), int(np.count_nonzero(rack_at[due] <= now)),
+    return ((base + due).tolist(), (rack_at[due] <= now).tolist(), int(np.count_nonzero(rack_at[due] <= now)),
             float(due_at[open_].min()) if open_.any() else np.inf)
 
 
@@ -56,19 +57,19 @@ def test_random_windows_agree_with_the_array_rules(seed: int) -> None:
             float(rng.uniform(0.001, 0.02)), int(rng.integers(0, 3)), int(rng.integers(0, 7)),
             float(rng.uniform(0.01, 0.2)), float(sent_at[rack_use]) if rack_use >= 0 else -np.inf, rack_use,
             float(rng.uniform(0, 0.01)), float(rng.uniform(0, 0.002)), int(rng.integers(-1, count + 1)))
-    out = np.empty(count, np.int64)
-    n, n_early, next_at = due_uses(*args, out)
-    assert (out[:n].tolist(), n_early, next_at) == reference(*args)
+    out, by_rack = np.empty(count, np.int64), np.empty(count, bool)
+    n, n_early, next_at = due_uses(*args, out, by_rack)
+    assert (out[:n].tolist(), by_rack[:n].tolist(), n_early, next_at) == reference(*args)
 
 
 def test_a_window_with_nothing_open() -> None:
     """No open use: nothing due, and no deadline (inf)."""
-    out = np.empty(4, np.int64)
+    out, by_rack = np.empty(4, np.int64), np.empty(4, bool)
     done = np.ones(4, bool)
     assert due_uses(0, 4, 1.0, np.zeros(4), np.zeros(4), np.zeros(4, np.int64), done, True, 0.01, 1, 1, 1.0,
-                    0.5, 3, 0.001, 0.0, -1, out) == (0, 0, np.inf)
+                    0.5, 3, 0.001, 0.0, -1, out, by_rack) == (0, 0, np.inf)
     assert due_uses(2, 2, 1.0, np.zeros(4), np.zeros(4), np.zeros(4, np.int64), ~done, True, 0.01, 1, 1, 1.0,
-                    0.5, 3, 0.001, 0.0, 3, out) == (0, 0, np.inf)
+                    0.5, 3, 0.001, 0.0, 3, out, by_rack) == (0, 0, np.inf)
 
 
 @pytest.mark.parametrize("silent", [0.0, 0.3, 5.0, 100.0])
@@ -87,6 +88,7 @@ def test_each_use_waits_the_pacers_timeout(silent: float) -> None:
         if i:
             done[0] = True
         _, _, next_at = due_uses(base, 9, 0.0, np.zeros(9), np.full(9, np.inf), tries, done, False, p.base_rto(),
-                                 p.backoff_cap(), p.backoff_cap(silent), p.max_timeout, -np.inf, -1, 0.0, 0.0, -1, out)
+                                 p.backoff_cap(), p.backoff_cap(silent), p.max_timeout, -np.inf, -1, 0.0, 0.0, -1, out,
+                                 np.empty(9, bool))
         want = p.rto(int(tries[i])) if i == 0 else p.rto(int(tries[i]), silent=silent)
         assert next_at == want, (i, next_at, want)

@@ -29,7 +29,7 @@ from numba import njit
 def due_uses(base: int, nxt: int, now: float, sent_at: np.ndarray, heard_since: np.ndarray, tries: np.ndarray,
              done: np.ndarray, from_heard: bool, rto_base: float, cap_oldest: int, cap_rest: int,
              max_timeout: float, rack_sent: float, rack_use: int, rack_rtt: float, rack_margin: float,
-             rack_above: int, due: np.ndarray) -> tuple[int, int, float]:
+             rack_above: int, due: np.ndarray, by_rack: np.ndarray) -> tuple[int, int, float]:
     """The open uses of ``base..nxt-1`` (not ``done``; ``base`` the oldest) that are due at ``now``.
 
     Per use i: ``sent_at[i]`` its last send, ``heard_since[i]`` when the path was first heard after it
@@ -40,8 +40,9 @@ def due_uses(base: int, nxt: int, now: float, sent_at: np.ndarray, heard_since: 
     (``rack_sent``, ``rack_use``) are due at their send + ``rack_rtt`` + ``rack_margin``, and so are the
     uses below ``rack_above`` (the highest use answered after a resend; -1: none) not resent yet.
 
-    Writes the due uses, ascending, to ``due`` and returns (how many, how many of them RACK made due,
-    the earliest deadline of any open use: inf when none is open).
+    Writes the due uses, ascending, to ``due``, and whether RACK made each due (not only its timer) to
+    ``by_rack`` at the same place; returns (how many, how many of them RACK made due, the earliest deadline
+    of any open use: inf when none is open).
     """
     n_due = 0
     n_early = 0
@@ -66,6 +67,7 @@ def due_uses(base: int, nxt: int, now: float, sent_at: np.ndarray, heard_since: 
         next_at = min(next_at, at_due)
         if at_due <= now:
             due[n_due] = i
+            by_rack[n_due] = rack_at <= now
             n_due += 1
             if rack_at <= now:
                 n_early += 1

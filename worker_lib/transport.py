@@ -59,7 +59,7 @@ import numpy as np
 
 from worker_lib.batch_io import BatchSocket, sockaddr_to_tuple
 from worker_lib.job import JobConfig
-from worker_lib.pacing import BURST_RUN, PROBE_USES, Pacer, extend_loss_runs
+from worker_lib.pacing import BURST_RUN, PROBE_USES, TAIL_COPIES, Pacer, extend_loss_runs
 from worker_lib.packet_feed import PacketFeed
 from worker_lib.resend_timers import due_uses
 from worker_lib.result_intake import OWN_SHARE_PROBE, foreign_chunk, has_notice, take_results
@@ -86,6 +86,7 @@ LossPolicy = Literal["reliable", "zero-fill"]
 
 
 _NO_USES = np.zeros(0, np.int64)
+_NOTHING: frozenset[int] = frozenset()
 
 
 class AggregatorUnreachable(ConnectionError):
@@ -210,6 +211,9 @@ class TransportStats:
     early_retransmissions: int = 0  #: uses resent because later ones were answered (RACK), not by timeout
     #: uses resent by a tail probe: the last uses of an exchange, once the answers stopped (pacing.py)
     tail_probes: int = 0
+    #: extra copies sent of uses that RACK found lost after an exchange's last new use (pacing.py, "Tail copies";
+    #: each is counted in ``retransmissions`` too)
+    tail_copies: int = 0
     #: seconds waited with room in the window but no free slot: every slot busy behind the oldest open
     #: use (more slots would have let the worker send on; ``--slots``)
     slot_bound_s: float = 0.0
@@ -659,7 +663,7 @@ class Transport:
                 return _NO_USES, math.inf
             return open_[-PROBE_USES:] + base, at
 
-        due_buf = np.empty(count, np.int64)
+        due_buf, rack_buf = np.empty(count, np.int64), np.empty(count, bool)
 
         def echoes(notice: np.void, datagrams: Iterable) -> bool:
             """Whether a straggler notice answers one of a use's own datagrams (their tensor and chunk, which
@@ -668,9 +672,10 @@ class Transport:
             return int(notice["tensor"]) == tensor and int(notice["chunk"]) in {
                 int.from_bytes(bytes(d[_CHUNK_AT:_CHUNK_AT + 4]), "big") for d in datagrams}
 
-        def deadlines(base: int, nxt: int, now: float, probe_now: bool = False) -> tuple[np.ndarray, int, float]:
-            """The open uses of base..nxt-1 due to be resent at ``now`` (a view that the next call
-            overwrites), how many of them RACK found lost, and the earliest deadline of any open use
+        def deadlines(base: int, nxt: int, now: float, probe_now: bool = False,
+                      ) -> tuple[np.ndarray, np.ndarray, float]:
+            """The open uses of base..nxt-1 due to be resent at ``now`` and whether RACK found each lost (views
+            that the next call overwrites), and the earliest deadline of any open use
             (``worker_lib.resend_timers``: by its timer, or by RACK for a use sent before one answered).
             ``probe_now``: the tail is probed in this pass (or it was since the path last spoke)."""
             pacer = self.pacer
@@ -679,7 +684,7 @@ class Transport:
             from_heard = early and pacer.rtt is not None
             args = (base, nxt, now, sent_at, heard_since, tries, done, from_heard, pacer.base_rto(),
                     pacer.backoff_cap(), pacer.backoff_cap(now - last_answer), pacer.max_timeout, rack_sent, rack,
-                    rack_rtt, pacer.reorder_margin() if rack >= 0 else 0.0, rack_above, due_buf)
+                    rack_rtt, pacer.reorder_margin() if rack >= 0 else 0.0, rack_above, due_buf, rack_buf)
             n, n_early, next_at = due_uses(*args)
             silent = now - last_answer >= pacer.base_rto() / 2
             if from_heard and silent and n - n_early > BURST_RUN and (nxt < count or probing):
@@ -690,7 +695,7 @@ class Transport:
                 heard_since[base + 1:nxt] = math.inf
                 heard_before[base + 1:nxt] = False
                 n, n_early, next_at = due_uses(*args)
-            return due_buf[:n], n_early, next_at
+            return due_buf[:n], rack_buf[:n], next_at
 
         def room(base: int, nxt: int) -> int:
             """Uses that may start now: open uses (sent, unanswered, resent or not) stay within the
@@ -824,7 +829,7 @@ class Transport:
             # Resend or give up what is due (each resend backs that use's timeout off, see pacing.py);
             # the tail probe first: the timers it finds due with it may be a stall's
             probe = tail_probe(base, now)[0]
-            due, n_early, _ = deadlines(base, nxt, now, probe.size > 0)
+            due, by_rack, _ = deadlines(base, nxt, now, probe.size > 0)
             if due.size or probe.size:
                 # Answers that came while this thread did not run (descheduled on a busy core, or the GIL
                 # held by the training loop) wait in the socket: they are not losses. Take them first.
@@ -832,8 +837,12 @@ class Transport:
                 receive(self.socks)
                 if last_answer != spoke:  # the path spoke: no probe now. (Else keep this one: a stall found
                     probe = tail_probe(base, now)[0]  # with it took the probed uses' hearing away)
-                due, n_early, _ = deadlines(base, nxt, now, probe.size > 0)
-            self.stats.early_retransmissions += n_early  # resent because later answers showed them lost
+                due, by_rack, _ = deadlines(base, nxt, now, probe.size > 0)
+            early_due = due[by_rack]  # resent because later answers showed them lost
+            self.stats.early_retransmissions += early_due.size
+            # After the last new use, nothing sent later can show a resend lost again: those go twice
+            # (pacing.py, "Tail copies")
+            twice = set(early_due.tolist()) if nxt == count and early_due.size else _NOTHING
             if due.size and paced:
                 burst = extend_loss_runs(runs, due[tries[due] == 0], self.pacer.burst_run())
                 self.pacer.expired(now, int(due.size), burst=burst)
@@ -849,12 +858,15 @@ class Transport:
                     self._finish_lost(i, int(slots[i]), tensor, done, lost, use_of_slot)
                     continue
                 tries[i] += 1
+                sends = TAIL_COPIES if i in twice else 1
+                self.stats.tail_copies += sends - 1
                 if runs_of_block:
-                    again.append(i)
+                    again += [i] * sends
                     continue
-                for k in resend(i):
-                    self.stats.retransmissions += 1
-                    self._send(packets[i][k], int(slots[i]))
+                for _ in range(sends):
+                    for k in resend(i):
+                        self.stats.retransmissions += 1
+                        self._send(packets[i][k], int(slots[i]))
                 stamp_sent(i, time.monotonic())
             # New uses, after the resends were chosen: the answers taken for them may have made room.
             first = time.monotonic()
