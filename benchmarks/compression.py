@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from launchers.checkout import checkout_env
 from launchers.neighbour import busy_neighbour
 from worker_lib.cli.args import DDP_ROTATION, FLOAT_DTYPES, ROTATIONS, int_in
 from worker_lib.thc import THCCodec, THCConfig, THCWorker
@@ -160,7 +161,8 @@ def contention(args: argparse.Namespace) -> list[dict]:
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--json", "--threads", str(threads),
                        "--dim", str(args.dim), "--repeats", str(args.repeats), "--bits", str(args.bits),
                        "--granularity", str(args.granularity), "--backend", args.backend, "--dtype", args.dtype]
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False,
+                                      env=checkout_env())
             if proc.returncode != 0:
                 raise SystemExit(f"compression benchmark failed: {proc.stderr.strip().splitlines()[-1:]}")
             rows.append({**json.loads(proc.stdout), "busy_neighbour": busy})

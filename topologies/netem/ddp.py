@@ -8,7 +8,6 @@ the ``agg`` namespace. Used by ``benchmarks/ddp_netem.py`` and ``tests/test_nete
 from __future__ import annotations
 
 import contextlib
-import os
 import select
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from launchers.checkout import checkout_env
 from topologies.netem import NetemError, Topology
 from worker_lib.job import JobConfig
 
@@ -59,7 +59,8 @@ def run_training(net: Topology, script_args: Sequence[str], *, timeout: float = 
     its exit barrier for the node that is gone).
     """
     workers = [n for n in net.cfg.nodes if n != "agg"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0", "PYTHONUNBUFFERED": "1"}
+    # the ranks run this checkout's code, not the one installed in editable mode (launchers/checkout.py)
+    env = {**checkout_env(), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0", "PYTHONUNBUFFERED": "1"}
     with tempfile.TemporaryDirectory(prefix="netem-ddp-") as tmp:
         logs = [Path(tmp) / f"{node}.log" for node in workers]
         procs = []
