@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from aggregator.control import ControlAddress, send_command
 from benchmarks.loss_phases import LossPhases, compare_phases
 from launchers.neighbour import busy_neighbour
 from topologies.netem import ExitOnSignals, NetemConfig, NetemError, Topology, require_root
@@ -127,7 +128,7 @@ def measure(net: Topology, run: Run, job: int, args: argparse.Namespace, agg_pid
             "aggregator_cpu_s": agg_cpu / steps, "identical": s["identical"], "final_loss": s["final_loss"],
             "retransmissions": hook.get("transport_retransmissions", 0), "mtu": args.mtu, "wall_s": wall,
             "retransmissions_all": sum(h.get("transport_retransmissions", 0) for h in s["hook"] if h),
-            "datagram_bytes": datagram_bytes(hook),
+            "datagram_bytes": datagram_bytes(hook), "answer_bytes": answer_bytes(hook, run.mode, args),
             "early_retransmissions": hook.get("transport_early_retransmissions", 0),
             "slot_bound_s": hook.get("transport_slot_bound_s", 0.0) / steps,
             "window_bound_s": hook.get("transport_window_bound_s", 0.0) / steps,
@@ -161,6 +162,23 @@ def job_configs(args: argparse.Namespace) -> list[JobConfig]:
                       mtu=args.mtu, elems=elems_for(kind(m), args), slots=args.slots) for i, m in enumerate(modes)]
 
 
+def answers_resent(control: Path) -> float:
+    """The answers the aggregator listening for control on ``control`` has sent again so far from retained
+    results (its ``retained`` counters, one tier and DAR): each answers a worker's resend of a complete use."""
+    totals = json.loads(send_command(ControlAddress(path=str(control)), "stats"))
+    return float(totals["retained"] + totals.get("dar_retained", 0))
+
+
+def answer_bytes(hook: dict, mode: str, args: argparse.Namespace) -> float:
+    """Mean bytes of an answer to one of a THC rank's datagrams, with their THC, UDP and IP headers: its
+    payload at the job's result width (the size of an answer the aggregator sends again); 0 for gloo."""
+    first = hook.get("transport_packets_sent", 0) - hook.get("transport_retransmissions", 0)
+    if mode == "gloo" or first <= 0 or "bytes_sent" not in hook:
+        return 0.0
+    return down_bytes(hook["bytes_sent"] / first, mode, args) / (1 if mode.endswith("mcast") else args.workers) \
+        + HEADER_BYTES + IP_UDP_OVERHEAD
+
+
 def datagram_bytes(hook: dict) -> float:
     """Mean bytes of the datagrams a THC rank sent, with their THC, UDP and IP headers (the size of what it
     resends); 0 without the hook's counters (gloo)."""
@@ -186,12 +204,14 @@ def run_all(args: argparse.Namespace) -> list[dict]:
                 modes = [m for m in args.modes if m != "gloo"]
                 jobs = {m: 10 + i for i, m in enumerate(modes)}
                 agg = None
+                control = tmp / f"aggregator-{rate:g}-{k}-{pct:g}.sock"  # its counters, read at each loss switch
                 if jobs:
                     agg = start_aggregator(net, job_configs(args), multicast=any(m.endswith("mcast") for m in modes),
-                                           extra=["--gro" if args.gro else "--no-gro"])
+                                           extra=["--gro" if args.gro else "--no-gro", "--control", str(control)])
                 for mode in args.modes:
                     cpu = (lambda pid=agg.pid: cpu_seconds(pid)) if agg else None
-                    with LossPhases(net, pct, args.loss_phases, cpu) if args.loss_phases else \
+                    answers = (lambda path=control: answers_resent(path)) if agg else None
+                    with LossPhases(net, pct, args.loss_phases, cpu, answers) if args.loss_phases else \
                             contextlib.nullcontext() as phases:
                         row = measure(net, Run(rate, mode, pct), jobs.get(mode, 9), args, agg.pid if agg else None,
                                       tmp)
@@ -311,15 +331,18 @@ def phase_report(rows: list[dict], warmup: int) -> None:
     print("\nloss phases within each run (steps that overlap a switch left out; extra: median over the pairs of "
           "adjacent lossless and lossy phases of the difference of their median steps, with its 90 % interval "
           "(order statistics); resent: all ranks' retransmitted datagrams per lossy step, at their mean size with "
-          "IP and UDP headers, at the link rate: each crosses the aggregator's link, the busiest (rank 0's alone "
-          "in brackets); verdict: met when the interval's top is within it, missed when its bottom is above it; "
+          "IP and UDP headers, at the link rate: each crosses the aggregator's link inbound, the busiest link (rank "
+          "0's alone in brackets); answered again: the answers the aggregator sent again from retained results per "
+          "lossy step, at their size, at the link rate: they cross its link outbound; verdict: met when the "
+          "interval's top is within the longer of the two, missed when its bottom is above it; "
           "where the extra goes, medians over the pairs, lossy minus lossless per step: tail, an exchange's time after "
           "its last new use; slots, sending stopped behind the oldest open use's slot; window, sending stopped by "
           "a full window; the hook's encode, network and decode phases; the CPU of rank 0's hook thread, of its "
           "whole process and of the aggregator; probes: rank 0's tail probes per lossy step, the losses at an "
           "exchange's end that only silence showed)")
     print(f"{'rate':>8} {'loss':>5} {'mode':<12} {'pairs':>5} {'lossless':>9} {'lossy':>9} {'extra ms':>9} "
-          f"{'90 % interval':>15} {'resent ms (rank 0)':>18} {'verdict':<9} | {'tail':>5} {'slots':>6} {'window':>6} "
+          f"{'90 % interval':>15} {'resent ms (rank 0)':>18} {'answered again ms':>17} {'verdict':<9} | "
+          f"{'tail':>5} {'slots':>6} {'window':>6} "
           f"{'encode':>6} {'network':>7} {'decode':>6} {'hookcpu':>7} {'cpu':>6} {'aggcpu':>6} {'probes':>6}")
     for rate, mode, pct in sorted({(r["rate_mbit"], r["mode"], r["loss"]) for r in rows}):
         same = [r for r in rows if (r["rate_mbit"], r["mode"], r["loss"]) == (rate, mode, pct)]
@@ -328,10 +351,13 @@ def phase_report(rows: list[dict], warmup: int) -> None:
             print(f"{rate:>8g} {pct:>5g} {mode:<12} no pair of phases with whole steps: lengthen --loss-phases")
             continue
         size = statistics.fmean(r["datagram_bytes"] for r in same)
+        answer = statistics.fmean(r.get("answer_bytes", math.nan) for r in same)
+        again = cmp.answers_resent_s(answer, rate)
+        again_text = "-" if math.isnan(again) else f"{again * 1e3:.2f} ({cmp.answers_resent_per_step:.0f})"
         print(f"{rate:>8g} {pct:>5g} {mode:<12} {cmp.pairs:>5} {cmp.lossless_s * 1e3:9.1f} {cmp.lossy_s * 1e3:9.1f} "
               f"{cmp.extra_s * 1e3:9.1f} {f'{cmp.low_s * 1e3:.1f} .. {cmp.high_s * 1e3:.1f}':>15} "
               f"{f'{cmp.resent_s(size, rate) * 1e3:.2f} ({cmp.resent_s(size, rate, all_ranks=False) * 1e3:.2f})':>18} "
-              f"{cmp.verdict(size, rate):<9} | "
+              f"{again_text:>17} {cmp.verdict(size, rate, answer):<9} | "
               + " ".join(f"{cmp.grown.get(k, math.nan) * 1e3:{w}.1f}" for k, w in (
                   ("tail_s", 5), ("slot_bound_s", 6), ("window_bound_s", 6), ("encode_s", 6), ("network_s", 7),
                   ("decode_s", 6), ("hook_cpu_s", 7), ("cpu_s", 6), ("aggregator_cpu_s", 6)))

@@ -33,24 +33,29 @@ LEVEL = 0.9
 class Switch:
     """One change of the links' loss to ``percent``, starting a lossy phase or a lossless one (``lossy``; a
     lossy phase at 0 % is the control run's); ``before`` and ``after`` bracket the change (perf_counter
-    seconds); ``cpu``: the aggregator's CPU seconds so far, read just before (nan where not measured)."""
+    seconds); ``cpu``: the aggregator's CPU seconds so far, read just before (nan where not measured);
+    ``answers_resent``: the answers the aggregator had sent again so far from retained results (its
+    ``retained`` counter, read just before; nan where not read)."""
 
     before: float
     after: float
     percent: float
     lossy: bool
     cpu: float = math.nan
+    answers_resent: float = math.nan
 
 
 class LossPhases:
     """Alternate every worker's loss between 0 and ``percent`` every ``period`` seconds, starting lossless,
-    while a run is going on (a background thread; use as a context manager). ``cpu``, if given, reads the
-    aggregator's CPU seconds so far, at every switch. With ``percent`` 0 nothing changes but the phases'
-    labels: a control, whose "extra" shows the method's own bias and spread."""
+    while a run is going on (a background thread; use as a context manager). ``cpu`` and ``answers_resent``,
+    if given, read the aggregator's CPU seconds and its answers sent again so far, at every switch. With
+    ``percent`` 0 nothing changes but the phases' labels: a control, whose "extra" shows the method's own
+    bias and spread."""
 
-    def __init__(self, net: Topology, percent: float, period: float,
-                 cpu: Callable[[], float] | None = None) -> None:
+    def __init__(self, net: Topology, percent: float, period: float, cpu: Callable[[], float] | None = None,
+                 answers_resent: Callable[[], float] | None = None) -> None:
         self.net, self.percent, self.period, self.cpu = net, percent, period, cpu
+        self.answers_resent = answers_resent
         self.switches: list[Switch] = []
         self._stop = threading.Event()
         self._error: Exception | None = None  #: why the switching stopped, raised at the end of the run
@@ -58,10 +63,11 @@ class LossPhases:
 
     def _set(self, lossy: bool) -> None:
         cpu = self.cpu() if self.cpu else math.nan
+        answers = self.answers_resent() if self.answers_resent else math.nan
         percent = self.percent if lossy else 0.0
         before = time.perf_counter()
         self.net.set_loss({node: percent for node in self.net.cfg.loss_percent})
-        self.switches.append(Switch(before, time.perf_counter(), percent, lossy, cpu))
+        self.switches.append(Switch(before, time.perf_counter(), percent, lossy, cpu, answers))
 
     def _run(self) -> None:
         lossy = False
@@ -130,6 +136,11 @@ class PhaseComparison:
     resent_all_per_step: float
     #: mean tail probes per lossy step (rank 0): each is a loss at an exchange's end found by silence alone
     probes_per_step: float = 0.0
+    #: answers the aggregator sent again from retained results per lossy step (its rate over the lossy phases
+    #: times their median step); nan where the switches did not read it. Each answers a worker's resend of a
+    #: complete use (its answer was lost, or a peer's resend completed the use first) and crosses the
+    #: aggregator's link outbound, while the resent requests cross it inbound.
+    answers_resent_per_step: float = math.nan
     #: per counter of ``COUNTERS`` but the first two, the median over the pairs of how much more it grew per step
     #: in the lossy phase than in the lossless one (where the extra goes); "aggregator_cpu_s" too where the
     #: switches read it (the difference of its CPU per second of the two phases, times the lossy step)
@@ -141,11 +152,24 @@ class PhaseComparison:
         resent = self.resent_all_per_step if all_ranks else self.resent_per_step
         return resent * size * 8 / (rate_mbit * 1e6)
 
-    def verdict(self, size: float, rate_mbit: float) -> str:
-        """"met" when even the interval's top is within the time all ranks' resent bytes need on the aggregator's
-        link, "missed" when its bottom is above it, "undecided" otherwise."""
-        resent = self.resent_s(size, rate_mbit)
-        return "met" if self.high_s <= resent else "missed" if self.low_s > resent else "undecided"
+    def answers_resent_s(self, answer_size: float, rate_mbit: float) -> float:
+        """Seconds the answers the aggregator sent again in a lossy step need on its link (``answer_size``
+        bytes each); nan where not read."""
+        return self.answers_resent_per_step * answer_size * 8 / (rate_mbit * 1e6)
+
+    def yardstick_s(self, size: float, rate_mbit: float, answer_size: float = math.nan) -> float:
+        """The time loss may cost a step: what the bytes resent in it need on the aggregator's link, each
+        direction apart since the link carries both at once: the workers' resent requests inbound, the answers
+        sent again outbound, the longer of the two (the requests alone where the answers were not read)."""
+        answers = self.answers_resent_s(answer_size, rate_mbit)
+        requests = self.resent_s(size, rate_mbit)
+        return requests if math.isnan(answers) else max(requests, answers)
+
+    def verdict(self, size: float, rate_mbit: float, answer_size: float = math.nan) -> str:
+        """"met" when even the interval's top is within ``yardstick_s``, "missed" when its bottom is above it,
+        "undecided" otherwise."""
+        limit = self.yardstick_s(size, rate_mbit, answer_size)
+        return "met" if self.high_s <= limit else "missed" if self.low_s > limit else "undecided"
 
 
 def median_interval(values: np.ndarray, level: float = LEVEL) -> tuple[float, float]:
@@ -188,18 +212,32 @@ def compare_phases(runs: list[tuple[list[dict[str, float]], list[Switch], int]])
     med = np.median(d[:, :-1], axis=0)
     agg = d[:, -1][~np.isnan(d[:, -1])]
     grown = {name: float(v) for name, v in zip(COUNTERS[2:], med[3:], strict=True)}
+    lossy_step = statistics.median(lossy)
     if agg.size:
-        grown["aggregator_cpu_s"] = float(np.median(agg)) * statistics.median(lossy)
+        grown["aggregator_cpu_s"] = float(np.median(agg)) * lossy_step
+    answered = [_growth(switches, j, "answers_resent") for _, switches, _ in runs
+                for j in range(len(switches)) if switches[j].lossy]
+    answered = [g for g in answered if not math.isnan(g[0])]
+    answers = sum(g[0] for g in answered) / sum(g[1] for g in answered) * lossy_step if answered else math.nan
     return PhaseComparison(pairs=len(d), lossless_steps=len(lossless), lossy_steps=len(lossy),
-                           lossless_s=statistics.median(lossless), lossy_s=statistics.median(lossy),
+                           lossless_s=statistics.median(lossless), lossy_s=lossy_step,
                            extra_s=float(med[0]), low_s=low, high_s=high,
                            resent_per_step=statistics.fmean(r[0] for r in resent),
                            resent_all_per_step=statistics.fmean(r[1] for r in resent),
-                           probes_per_step=statistics.fmean(r[2] for r in resent), grown=grown)
+                           probes_per_step=statistics.fmean(r[2] for r in resent),
+                           answers_resent_per_step=answers, grown=grown)
+
+
+def _growth(switches: list[Switch], j: int, reading: str) -> tuple[float, float]:
+    """How much the aggregator's ``reading`` ("cpu" or "answers_resent") grew during phase ``j``, and the
+    phase's seconds (nan growth without the next switch or without readings)."""
+    if j + 1 >= len(switches):
+        return math.nan, math.nan
+    return (getattr(switches[j + 1], reading) - getattr(switches[j], reading),
+            switches[j + 1].before - switches[j].before)
 
 
 def _cpu_rate(switches: list[Switch], j: int) -> float:
     """The aggregator's CPU seconds per second during phase ``j`` (nan without the next switch or readings)."""
-    if j + 1 >= len(switches):
-        return math.nan
-    return (switches[j + 1].cpu - switches[j].cpu) / (switches[j + 1].before - switches[j].before)
+    grew, seconds = _growth(switches, j, "cpu")
+    return grew / seconds

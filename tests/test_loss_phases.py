@@ -22,12 +22,13 @@ from benchmarks.loss_phases import (
 from topologies.netem import NetemError
 
 
-def _switches(*starts: float, cpu: tuple[float, ...] = ()) -> list[Switch]:
-    """Switches at ``starts`` (each taking 0.01 s), alternating 0 % and 1 %, lossless first; ``cpu``: the
-    aggregator's CPU seconds read at each (none: not measured)."""
+def _switches(*starts: float, cpu: tuple[float, ...] = (), answers: tuple[float, ...] = ()) -> list[Switch]:
+    """Switches at ``starts`` (each taking 0.01 s), alternating 0 % and 1 %, lossless first; ``cpu`` and
+    ``answers``: the aggregator's CPU seconds and answers sent again, read at each (none: not read)."""
     cpu = cpu or (math.nan,) * len(starts)
-    return [Switch(t, t + 0.01, 1.0 if i % 2 else 0.0, bool(i % 2), c)
-            for i, (t, c) in enumerate(zip(starts, cpu, strict=True))]
+    answers = answers or (math.nan,) * len(starts)
+    return [Switch(t, t + 0.01, 1.0 if i % 2 else 0.0, bool(i % 2), c, a)
+            for i, (t, c, a) in enumerate(zip(starts, cpu, answers, strict=True))]
 
 
 def _mark(start: float, end: float, resent: int, tail: float = 0.0, resent_all: int | None = None, probes: int = 0
@@ -84,6 +85,20 @@ def test_each_lossy_phase_is_compared_with_the_lossless_one_before_it() -> None:
                                        "aggregator_cpu_s": 0.1 * 0.154})
 
 
+def test_answers_sent_again_per_lossy_step() -> None:
+    """The aggregator's answers sent again, read at each switch: run A's lossy phase 1 (1.0 .. 2.0 s) added 30,
+    its lossy phase 3 (3.0 .. 5.0 s) 90; run B's only lossy phase has no end reading, and the lossless phases do
+    not count: 120 answers in 3 s of lossy phases, times the median lossy step (120 ms), 4.8 per step. Without
+    readings: nan."""
+    steps = [_mark(0.1, 0.2, 0), _mark(1.1, 1.22, 3), _mark(2.1, 2.2, 3), _mark(3.1, 3.22, 4)]
+    run_a = (steps, _switches(0.0, 1.0, 2.0, 3.0, 5.0, answers=(0.0, 5.0, 35.0, 1000.0, 1090.0)), 0)
+    run_b = ([_mark(0.1, 0.2, 0), _mark(1.1, 1.22, 1)], _switches(0.0, 1.0, answers=(0.0, 7.0)), 0)
+    cmp = compare_phases([run_a, run_b])
+    assert cmp is not None and cmp.answers_resent_per_step == pytest.approx(120 / 3 * 0.12)
+    cmp = compare_phases([(steps, _switches(0.0, 1.0, 2.0, 3.0, 5.0), 0)])
+    assert cmp is not None and math.isnan(cmp.answers_resent_per_step)
+
+
 def test_the_interval_of_the_median_is_made_of_order_statistics() -> None:
     """For 20 values, P(Bin(20, 1/2) <= 5) = 0.0207 and P(<= 6) = 0.0577: the 90 % interval runs from the
     6th to the 15th smallest; for 5 values P(<= 0) = 0.031 and P(<= 1) = 0.19: from the 1st to the 5th; for
@@ -105,6 +120,25 @@ def test_verdict_against_the_resent_bytes_time() -> None:
     assert cmp(-0.002, 0.0011).verdict(1500, 1000) == "met"
     assert cmp(0.0013, 0.004).verdict(1500, 1000) == "missed"
     assert cmp(0.0005, 0.004).verdict(1500, 1000) == "undecided"
+
+
+def test_the_longer_direction_of_the_resent_bytes_sets_the_verdict() -> None:
+    """The resent requests cross the aggregator's link inbound (100 x 1,500 bytes: 1.2 ms at 1 Gbit/s), the
+    answers sent again outbound (150 x 1,250 bytes: 1.5 ms); the link carries both at once, so the longer one
+    is what loss may cost: an interval up to 1.4 ms is met, one from 1.45 ms undecided. With fewer answers
+    sent again (50: 0.5 ms) the requests' 1.2 ms decide; without the readings too."""
+    def cmp(low: float, high: float, answers: float) -> PhaseComparison:
+        return PhaseComparison(pairs=9, lossless_steps=9, lossy_steps=9, lossless_s=0.1, lossy_s=0.1,
+                               extra_s=(low + high) / 2, low_s=low, high_s=high, resent_per_step=40,
+                               resent_all_per_step=100, answers_resent_per_step=answers)
+    assert cmp(0, 0, 150).answers_resent_s(1250, 1000) == pytest.approx(0.0015)
+    assert cmp(0, 0, 150).yardstick_s(1500, 1000, 1250) == pytest.approx(0.0015)
+    assert cmp(0.0005, 0.0014, 150).verdict(1500, 1000, 1250) == "met"
+    assert cmp(0.0005, 0.0014, 150).verdict(1500, 1000) == "undecided"  # the answers' size not known
+    assert cmp(0.0005, 0.0014, 50).verdict(1500, 1000, 1250) == "undecided"
+    assert cmp(0.00145, 0.004, 150).verdict(1500, 1000, 1250) == "undecided"
+    assert cmp(0.0016, 0.004, 150).verdict(1500, 1000, 1250) == "missed"
+    assert cmp(0.0005, 0.0014, math.nan).yardstick_s(1500, 1000, 1250) == pytest.approx(0.0012)
 
 
 def test_no_pair_of_whole_phases_gives_none() -> None:
@@ -132,11 +166,12 @@ def test_phases_alternate_from_lossless_and_end_lossless() -> None:
     """Switches alternate lossless / lossy (every worker at once), each bracketed in time and read for the
     aggregator's CPU; the run ends with the loss off."""
     net = _FakeNet()
-    with LossPhases(net, 2.0, 0.02, cpu=lambda: 1.5) as phases:  # type: ignore[arg-type]
+    with LossPhases(net, 2.0, 0.02, cpu=lambda: 1.5, answers_resent=lambda: 7.0) as phases:  # type: ignore[arg-type]
         time.sleep(0.15)
     sw = phases.switches
     assert len(sw) >= 4 and [s.lossy for s in sw[:4]] == [False, True, False, True]
-    assert all(s.percent == (2.0 if s.lossy else 0.0) and s.before <= s.after and s.cpu == 1.5 for s in sw)
+    assert all(s.percent == (2.0 if s.lossy else 0.0) and s.before <= s.after and s.cpu == 1.5
+               and s.answers_resent == 7.0 for s in sw)
     assert not sw[-1].lossy and net.calls[-1] == {"w0": 0.0, "w1": 0.0} and net.calls[1] == {"w0": 2.0, "w1": 2.0}
 
 
