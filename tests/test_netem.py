@@ -286,6 +286,28 @@ def test_ddp_across_namespaces_multicast_and_loss(tmp_path: Path) -> None:
 
 
 @needs_root
+def test_the_ddp_benchmark_reads_the_answers_sent_again_at_each_loss_switch(tmp_path: Path) -> None:
+    """benchmarks.ddp_netem with loss phases (10 %, switched every 0.3 s): the aggregator's answers sent again
+    are read from its control socket at every switch, never fall, and grow while the loss is on; an answer
+    (8-bit results of two workers) is about twice a request (4-bit indices) with the same 60 bytes of headers;
+    the report prints their time and count per lossy step."""
+    out = tmp_path / "rows.json"
+    res = subprocess.run([sys.executable, "-m", "benchmarks.ddp_netem", "--rates", "200", "--modes", "thc",
+                          "--width", "256", "--steps", "40", "--warmup", "2", "--loss", "0,10", "--loss-udp-only",
+                          "--loss-phases", "0.3", "--json", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    row = json.loads(out.read_text())[0]
+    readings = [sw["answers_resent"] for sw in row["switches"]]
+    assert readings == sorted(readings), readings
+    grew = [b - a for a, b, sw in zip(readings, readings[1:], row["switches"], strict=False) if sw["lossy"]]
+    assert max(grew) > 0, readings
+    assert row["answer_bytes"] - 60 == pytest.approx(2 * (row["datagram_bytes"] - 60), rel=0.02), row
+    line = res.stdout.strip().splitlines()[-1].split("|")[0].split()
+    assert line[:3] == ["200", "10", "thc"] and line[-2].startswith("(") and float(line[-3]) > 0, line
+
+
+@needs_root
 def test_two_aggregators_in_two_namespaces_share_a_job() -> None:
     """Two aggregators on two hosts (the agg namespace, member 0/2, and w2's, member 1/2) serve one job of
     two workers over 1 Gbit/s links with 2 % loss each way on the workers' links: every worker gets the
