@@ -164,9 +164,14 @@ def job_configs(args: argparse.Namespace) -> list[JobConfig]:
 
 def answers_resent(control: Path) -> float:
     """The answers the aggregator listening for control on ``control`` has sent again so far from retained
-    results (its ``retained`` counters, one tier and DAR): each answers a worker's resend of a complete use."""
-    totals = json.loads(send_command(ControlAddress(path=str(control)), "stats"))
-    return float(totals["retained"] + totals.get("dar_retained", 0))
+    results (its ``retained`` counters, one tier and DAR): each answers a worker's resend of a complete use.
+    nan, with a warning, where it does not answer (the verdict then counts the resent requests alone)."""
+    try:
+        totals = json.loads(send_command(ControlAddress(path=str(control)), "stats"))
+        return float(totals["retained"] + totals.get("dar_retained", 0))
+    except (OSError, ValueError, KeyError) as exc:  # TimeoutError is an OSError
+        print(f"warning: no counters from the aggregator's control socket {control}: {exc!r}", file=sys.stderr)
+        return math.nan
 
 
 def answer_bytes(hook: dict, mode: str, args: argparse.Namespace) -> float:
@@ -331,7 +336,7 @@ def phase_report(rows: list[dict], warmup: int) -> None:
     print("\nloss phases within each run (steps that overlap a switch left out; extra: median over the pairs of "
           "adjacent lossless and lossy phases of the difference of their median steps, with its 90 % interval "
           "(order statistics); resent: all ranks' retransmitted datagrams per lossy step, at their mean size with "
-          "IP and UDP headers, at the link rate: each crosses the aggregator's link inbound, the busiest link (rank "
+          "IP and UDP headers, at the link rate: each crosses the aggregator's link, the busiest, inbound (rank "
           "0's alone in brackets); answered again: the answers the aggregator sent again from retained results per "
           "lossy step, at their size, at the link rate: they cross its link outbound; verdict: met when the "
           "interval's top is within the longer of the two, missed when its bottom is above it; "

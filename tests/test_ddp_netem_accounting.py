@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import socket
 import threading
 from pathlib import Path
@@ -50,3 +51,11 @@ def test_answers_sent_again_are_read_from_the_control_socket(tmp_path: Path) -> 
         thread.join(5)
         server.close()
     assert asked == [b"stats"]
+
+
+def test_an_aggregator_that_does_not_answer_gives_no_reading(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """No socket at the path (the aggregator gone): nan and one warning line, so that the run goes on and its
+    verdict counts the resent requests alone."""
+    assert math.isnan(answers_resent(tmp_path / "gone.sock"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: no counters from the aggregator's control socket")
