@@ -112,14 +112,19 @@ still costs one probe per timeout. Reliable mode only: zero-fill's workers keep 
 Tail copies: a use resent by RACK in the middle of an exchange is shown lost again by RACK, from the
 answers to the new uses sent after it. Once the last new use is out, nothing is sent after a resend,
 and a resend lost again waited for the tail probe's silence (twice the least round trip, at least 2
-ms) and the probe's round trip. So the uses RACK finds lost after the last new use go out
-``TAIL_COPIES`` times, back to back: one copy lost costs nothing, and the aggregator answers the other
-from its retained result. In DDP steps at 1 Gbit/s with 1 % loss each way rank 0 then probed the tail
-in 10 % of the lossy steps instead of 18 %, and the tail grew by 1.0 ms per lossy step instead of 1.4
-(docs/measurements.md, twenty-third session). What is still probed: the exchange's last use lost, and a
-resend that reached the aggregator before a peer's resend completed the use, whose answer was then lost.
-Only RACK's resends are copied: a tail probe or a timer's resend is not (a peer late at the end must
-cost one probe per timeout, see "Probing"), and neither is a resend in the middle of an exchange.
+ms) and the probe's round trip. So a use that RACK finds lost after the last new use gets a second
+copy a least round trip (plus RACK's reordering margin) after the first, unless the first was answered
+by then. That covers two losses the probe used to wait for: the first copy lost, and a first copy that
+reached the aggregator before a peer's resend completed the use (both workers see the same later
+answers and resend at once) whose answer was then lost; the aggregator answers the second copy from
+its retained result. Sent back to back, as first built (twenty-third session), both copies reached the
+aggregator before the peer's resend in the second case, and whenever the first copy got through, the
+second was answered again for nothing on the aggregator's busiest link. In DDP steps at 1 Gbit/s with 1 %
+loss each way, four runs alternated with back-to-back copies: the lossy step's extra +1.08 ms (0.57 ..
+1.84) instead of +2.32 (1.51 .. 3.06), 25 % fewer copies, 0.12 tail probes per lossy step instead of
+0.17 (docs/measurements.md, twenty-fourth session). Only RACK's resends are
+copied: a tail probe or a timer's resend is not (a peer late at the end must cost one probe per
+timeout, see "Probing"), and neither is a resend in the middle of an exchange.
 
 A transport under ``zero-fill`` builds its ``Pacer`` with both adaptations off: its workers must stay in
 step (a chunk one worker gave up must not complete for another), so the timeout stays ``timeout`` and
@@ -156,8 +161,6 @@ BURST_RUN = 10
 #: Open uses a tail probe resends at most, the last sent; and the least silence before it, seconds.
 PROBE_USES = 8
 PROBE_MIN_S = 0.002
-#: Copies sent of a use that RACK finds lost once an exchange's last new use is out ("Tail copies").
-TAIL_COPIES = 2
 
 
 def extend_loss_runs(runs: np.ndarray, fresh: np.ndarray, need: int = BURST_RUN) -> bool:

@@ -59,7 +59,7 @@ import numpy as np
 
 from worker_lib.batch_io import BatchSocket, sockaddr_to_tuple
 from worker_lib.job import JobConfig
-from worker_lib.pacing import BURST_RUN, PROBE_USES, TAIL_COPIES, Pacer, extend_loss_runs
+from worker_lib.pacing import BURST_RUN, PROBE_USES, Pacer, extend_loss_runs
 from worker_lib.packet_feed import PacketFeed
 from worker_lib.resend_timers import due_uses
 from worker_lib.result_intake import OWN_SHARE_PROBE, foreign_chunk, has_notice, take_results
@@ -710,6 +710,8 @@ class Transport:
             return count if feed is None else feed.ready
 
         all_sent = math.inf  # when the last new use went out
+        copy_at = np.full(count, math.inf)  # when a resend's second copy is due (pacing.py, "Tail copies")
+        copies_open = False
 
         def answered(finished: np.ndarray, sock: socket.socket) -> float:
             """Record the uses ``finished`` (marked done, in the order answered) as answered at
@@ -853,20 +855,29 @@ class Transport:
                 due = np.union1d(due, probe)
             runs_of_block = block is not None and self.gso
             again = []  # uses of one datagram each, resent in one run with this pass's first sends
-            for i in due.tolist():
-                if policy == "zero-fill" and tries[i] >= cfg.retries:
-                    self._finish_lost(i, int(slots[i]), tensor, done, lost, use_of_slot)
-                    continue
-                tries[i] += 1
-                sends = TAIL_COPIES if i in twice else 1
-                self.stats.tail_copies += sends - 1
+            # The second copy of a resend after the last new use goes a least round trip after the first,
+            # unless that one was answered (pacing.py, "Tail copies")
+            copies = np.flatnonzero((copy_at[base:nxt] <= now) & ~done[base:nxt]) + base if copies_open else _NO_USES
+            if copies.size:
+                copy_at[copies] = math.inf
+                copies = np.setdiff1d(copies, due, assume_unique=True)
+                self.stats.tail_copies += int(copies.size)
+            for i, resent_now in [*((i, True) for i in due.tolist()), *((i, False) for i in copies.tolist())]:
+                if resent_now:  # (else the second copy of an earlier resend)
+                    if policy == "zero-fill" and tries[i] >= cfg.retries:
+                        self._finish_lost(i, int(slots[i]), tensor, done, lost, use_of_slot)
+                        continue
+                    tries[i] += 1
+                    least = self.pacer.base_rtt
+                    gap = least + self.pacer.reorder_margin() if math.isfinite(least) else 0.0
+                    copy_at[i] = now + gap if i in twice else math.inf
+                    copies_open = copies_open or i in twice
                 if runs_of_block:
-                    again += [i] * sends
+                    again.append(i)
                     continue
-                for _ in range(sends):
-                    for k in resend(i):
-                        self.stats.retransmissions += 1
-                        self._send(packets[i][k], int(slots[i]))
+                for k in resend(i):
+                    self.stats.retransmissions += 1
+                    self._send(packets[i][k], int(slots[i]))
                 stamp_sent(i, time.monotonic())
             # New uses, after the resends were chosen: the answers taken for them may have made room.
             first = time.monotonic()
@@ -905,6 +916,10 @@ class Transport:
                 continue
             next_at = deadlines(base, nxt, now)[2]
             next_at = min(next_at, tail_probe(base, now)[1])
+            if copies_open:
+                pending = copy_at[base:nxt][~done[base:nxt]]
+                if pending.size:
+                    next_at = min(next_at, float(pending.min()))
             wait = max(0.0, next_at - now) if next_at < math.inf else 0.0
             waited = time.monotonic()
             fed = feed is not None and nxt < count  # a new piece of rows wakes the engine as an answer does
