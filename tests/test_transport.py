@@ -1108,6 +1108,20 @@ def test_a_lost_last_use_sent_after_the_last_answers_is_probed() -> None:
     assert wall < 0.15, wall
 
 
+def _losing_first_sends(slot: int, lost: int) -> tuple[list[bytes], Callable[[bytes], bool]]:
+    """A ``delaying_relay`` drop rule that loses the first ``lost`` sends of the use in ``slot``, and the list
+    of that use's sends it has seen."""
+    seen: list[bytes] = []
+
+    def drop(data: bytes) -> bool:
+        if Header.unpack_from(np.frombuffer(data, np.uint8)).slot != slot:
+            return False
+        seen.append(data)
+        return len(seen) <= lost
+
+    return seen, drop
+
+
 @pytest.mark.parametrize("gso", [False, True])
 def test_a_resend_after_the_last_new_use_gets_a_second_copy(gso: bool) -> None:
     """16 uses go out at once; use 14 is lost, and so is the first copy of its resend. Use 15's answer shows
@@ -1118,14 +1132,7 @@ def test_a_resend_after_the_last_new_use_gets_a_second_copy(gso: bool) -> None:
     if gso and not gso_available(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)):
         pytest.skip("the kernel has no UDP_SEGMENT (udp(7), Linux 4.18+)")
     cfg = JobConfig(workers=1, slots=16, elems=K)
-    copies_of_14: list[bytes] = []
-
-    def first_two_of_use_14(data: bytes) -> bool:
-        if Header.unpack_from(np.frombuffer(data, np.uint8)).slot != 14:
-            return False
-        copies_of_14.append(data)
-        return len(copies_of_14) <= 2
-
+    copies_of_14, first_two_of_use_14 = _losing_first_sends(14, 2)
     idx = np.random.default_rng(11).integers(0, 16, 16 * K).astype(np.uint8)
     with serving_apart(cfg) as srv_port, delaying_relay(srv_port, 0.0, drop=first_two_of_use_14) as port, \
             Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=0.2, min_timeout=0.2,
@@ -1143,14 +1150,7 @@ def test_a_tail_resend_answered_in_time_gets_no_second_copy() -> None:
     round trip plus a quarter of it, 25 ms): no second copy goes, and the aggregator answers nothing twice
     (sent back to back, as first built, the copy went at once and was answered again for nothing)."""
     cfg = JobConfig(workers=1, slots=16, elems=K)
-    sends_of_14: list[bytes] = []
-
-    def first_of_use_14(data: bytes) -> bool:
-        if Header.unpack_from(np.frombuffer(data, np.uint8)).slot != 14:
-            return False
-        sends_of_14.append(data)
-        return len(sends_of_14) == 1
-
+    sends_of_14, first_of_use_14 = _losing_first_sends(14, 1)
     idx = np.random.default_rng(12).integers(0, 16, 16 * K).astype(np.uint8)
     with serving_apart(cfg) as srv_port, delaying_relay(srv_port, 0.02, drop=first_of_use_14) as port, \
             Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=0.5, min_timeout=0.5,
