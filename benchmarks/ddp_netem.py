@@ -177,10 +177,11 @@ def answers_resent(control: Path) -> float:
 def answer_bytes(hook: dict, mode: str, args: argparse.Namespace) -> float:
     """Mean bytes of an answer to one of a THC rank's datagrams, with their THC, UDP and IP headers: its
     payload at the job's result width (the size of an answer the aggregator sends again); 0 for gloo."""
-    first = hook.get("transport_packets_sent", 0) - hook.get("transport_retransmissions", 0)
-    if mode == "gloo" or first <= 0 or "bytes_sent" not in hook:
+    request = datagram_bytes(hook)
+    if mode == "gloo" or not request:
         return 0.0
-    return down_bytes(hook["bytes_sent"] / first, mode, args) / (1 if mode.endswith("mcast") else args.workers) \
+    payload = request - HEADER_BYTES - IP_UDP_OVERHEAD
+    return down_bytes(payload, mode, args) / (1 if mode.endswith("mcast") else args.workers) \
         + HEADER_BYTES + IP_UDP_OVERHEAD
 
 

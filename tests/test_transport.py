@@ -33,6 +33,7 @@ from worker_lib.transport import (
     AggregatorUnreachable,
     Transport,
     TransportConfig,
+    TransportStats,
     UseResults,
     run_nonce,
 )
@@ -1122,6 +1123,20 @@ def _losing_first_sends(slot: int, lost: int) -> tuple[list[bytes], Callable[[by
     return seen, drop
 
 
+def _tail_exchange(seed: int, lost: int, delay: float, timeout: float, gso: bool) -> tuple[list[bytes], TransportStats]:
+    """One exchange of 16 uses by one worker through ``delaying_relay`` (``delay``) losing the first ``lost``
+    sends of use 14; checks the sums are exact; returns use 14's sends and the transport's counters."""
+    cfg = JobConfig(workers=1, slots=16, elems=K)
+    sends_of_14, drop = _losing_first_sends(14, lost)
+    idx = np.random.default_rng(seed).integers(0, 16, 16 * K).astype(np.uint8)
+    with serving_apart(cfg) as srv_port, delaying_relay(srv_port, delay, drop=drop) as port, \
+            Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=timeout,
+                                      min_timeout=timeout, gso=gso)) as tr:
+        res = tr.exchange_indices(idx)
+    assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
+    return sends_of_14, tr.stats
+
+
 @pytest.mark.parametrize("gso", [False, True])
 def test_a_resend_after_the_last_new_use_gets_a_second_copy(gso: bool) -> None:
     """16 uses go out at once; use 14 is lost, and so is the first copy of its resend. Use 15's answer shows
@@ -1131,16 +1146,8 @@ def test_a_resend_after_the_last_new_use_gets_a_second_copy(gso: bool) -> None:
     Exact; datagram by datagram and as one GSO run (where the kernel has UDP_SEGMENT)."""
     if gso and not gso_available(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)):
         pytest.skip("the kernel has no UDP_SEGMENT (udp(7), Linux 4.18+)")
-    cfg = JobConfig(workers=1, slots=16, elems=K)
-    copies_of_14, first_two_of_use_14 = _losing_first_sends(14, 2)
-    idx = np.random.default_rng(11).integers(0, 16, 16 * K).astype(np.uint8)
-    with serving_apart(cfg) as srv_port, delaying_relay(srv_port, 0.0, drop=first_two_of_use_14) as port, \
-            Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=0.2, min_timeout=0.2,
-                                      gso=gso)) as tr:
-        res = tr.exchange_indices(idx)
-    assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
+    copies_of_14, st = _tail_exchange(seed=11, lost=2, delay=0.0, timeout=0.2, gso=gso)
     assert len(copies_of_14) == 3, len(copies_of_14)
-    st = tr.stats
     assert (st.early_retransmissions, st.tail_copies, st.retransmissions, st.tail_probes) == (1, 1, 2, 0), st
 
 
@@ -1149,15 +1156,7 @@ def test_a_tail_resend_answered_in_time_gets_no_second_copy() -> None:
     last new use, its answer comes one round trip (20 ms) later, before the second copy falls due (the least
     round trip plus a quarter of it, 25 ms): no second copy goes, and the aggregator answers nothing twice
     (sent back to back, as first built, the copy went at once and was answered again for nothing)."""
-    cfg = JobConfig(workers=1, slots=16, elems=K)
-    sends_of_14, first_of_use_14 = _losing_first_sends(14, 1)
-    idx = np.random.default_rng(12).integers(0, 16, 16 * K).astype(np.uint8)
-    with serving_apart(cfg) as srv_port, delaying_relay(srv_port, 0.02, drop=first_of_use_14) as port, \
-            Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=0.5, min_timeout=0.5,
-                                      gso=False)) as tr:
-        res = tr.exchange_indices(idx)
-    assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
-    st = tr.stats
+    sends_of_14, st = _tail_exchange(seed=12, lost=1, delay=0.02, timeout=0.5, gso=False)
     assert len(sends_of_14) == 2, len(sends_of_14)
     assert (st.early_retransmissions, st.tail_copies, st.retransmissions, st.tail_probes) == (1, 0, 1, 0), st
     assert st.unexpected == 0, st

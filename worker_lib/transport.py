@@ -842,9 +842,12 @@ class Transport:
                 due, by_rack, _ = deadlines(base, nxt, now, probe.size > 0)
             early_due = due[by_rack]  # resent because later answers showed them lost
             self.stats.early_retransmissions += early_due.size
-            # After the last new use, nothing sent later can show a resend lost again: those go twice
-            # (pacing.py, "Tail copies")
-            twice = set(early_due.tolist()) if nxt == count and early_due.size else _NOTHING
+            # After the last new use, nothing sent later can show a resend lost again: those get a second
+            # copy a least round trip later unless answered by then (pacing.py, "Tail copies")
+            copied = set(early_due.tolist()) if nxt == count and early_due.size else _NOTHING
+            if copied:
+                least = self.pacer.base_rtt
+                copy_gap = least + self.pacer.reorder_margin() if math.isfinite(least) else 0.0
             if due.size and paced:
                 burst = extend_loss_runs(runs, due[tries[due] == 0], self.pacer.burst_run())
                 self.pacer.expired(now, int(due.size), burst=burst)
@@ -855,8 +858,7 @@ class Transport:
                 due = np.union1d(due, probe)
             runs_of_block = block is not None and self.gso
             again = []  # uses of one datagram each, resent in one run with this pass's first sends
-            # The second copy of a resend after the last new use goes a least round trip after the first,
-            # unless that one was answered (pacing.py, "Tail copies")
+            # second copies of earlier tail resends, now due and still unanswered
             copies = np.flatnonzero((copy_at[base:nxt] <= now) & ~done[base:nxt]) + base if copies_open else _NO_USES
             if copies.size:
                 copy_at[copies] = math.inf
@@ -868,10 +870,8 @@ class Transport:
                         self._finish_lost(i, int(slots[i]), tensor, done, lost, use_of_slot)
                         continue
                     tries[i] += 1
-                    least = self.pacer.base_rtt
-                    gap = least + self.pacer.reorder_margin() if math.isfinite(least) else 0.0
-                    copy_at[i] = now + gap if i in twice else math.inf
-                    copies_open = copies_open or i in twice
+                    copy_at[i] = now + copy_gap if i in copied else math.inf
+                    copies_open = copies_open or i in copied
                 if runs_of_block:
                     again.append(i)
                     continue
