@@ -86,7 +86,6 @@ LossPolicy = Literal["reliable", "zero-fill"]
 
 
 _NO_USES = np.zeros(0, np.int64)
-_NOTHING: frozenset[int] = frozenset()
 
 
 class AggregatorUnreachable(ConnectionError):
@@ -842,12 +841,6 @@ class Transport:
                 due, by_rack, _ = deadlines(base, nxt, now, probe.size > 0)
             early_due = due[by_rack]  # resent because later answers showed them lost
             self.stats.early_retransmissions += early_due.size
-            # After the last new use, nothing sent later can show a resend lost again: those get a second
-            # copy a least round trip later unless answered by then (pacing.py, "Tail copies")
-            copied = set(early_due.tolist()) if nxt == count and early_due.size else _NOTHING
-            if copied:
-                least = self.pacer.base_rtt
-                copy_gap = least + self.pacer.reorder_margin() if math.isfinite(least) else 0.0
             if due.size and paced:
                 burst = extend_loss_runs(runs, due[tries[due] == 0], self.pacer.burst_run())
                 self.pacer.expired(now, int(due.size), burst=burst)
@@ -870,8 +863,7 @@ class Transport:
                         self._finish_lost(i, int(slots[i]), tensor, done, lost, use_of_slot)
                         continue
                     tries[i] += 1
-                    copy_at[i] = now + copy_gap if i in copied else math.inf
-                    copies_open = copies_open or i in copied
+                    copy_at[i] = math.inf  # a second copy only if nothing goes after it (below)
                 if runs_of_block:
                     again.append(i)
                     continue
@@ -899,6 +891,13 @@ class Transport:
             nxt += n
             if n and nxt == count:
                 all_sent = time.monotonic()
+            if nxt == count and early_due.size and (again or not n):
+                # Nothing is sent after these resends (a pass's run sends its new uses first, here the
+                # exchange's last), so nothing sent later can show one lost again: each gets a second copy
+                # a least round trip later unless answered by then (pacing.py, "Tail copies")
+                least = self.pacer.base_rtt
+                copy_at[early_due] = now + (least + self.pacer.reorder_margin() if math.isfinite(least) else 0.0)
+                copies_open = True
             if (now_done := int(np.count_nonzero(done))) != done_count:
                 done_count, last_progress = now_done, now
             if now - last_answer > cfg.deadline or now - last_progress > cfg.deadline:
