@@ -709,8 +709,8 @@ class Transport:
             return count if feed is None else feed.ready
 
         all_sent = math.inf  # when the last new use went out
-        copy_at = np.full(count, math.inf)  # when a resend's second copy is due (pacing.py, "Tail copies")
-        copies_open = False
+        # when a tail resend's second copy is due (pacing.py, "Tail copies"); only once every new use is out
+        copy_at = np.full(count, math.inf)
 
         def answered(finished: np.ndarray, sock: socket.socket) -> float:
             """Record the uses ``finished`` (marked done, in the order answered) as answered at
@@ -852,7 +852,7 @@ class Transport:
             runs_of_block = block is not None and self.gso
             again = []  # uses of one datagram each, resent in one run with this pass's first sends
             # second copies of earlier tail resends, now due and still unanswered
-            copies = np.flatnonzero((copy_at[base:nxt] <= now) & ~done[base:nxt]) + base if copies_open else _NO_USES
+            copies = np.flatnonzero((copy_at[base:nxt] <= now) & ~done[base:nxt]) + base if nxt == count else _NO_USES
             if copies.size:
                 copy_at[copies] = math.inf
                 copies = np.setdiff1d(copies, due, assume_unique=True)
@@ -897,7 +897,6 @@ class Transport:
                 # a least round trip later unless answered by then (pacing.py, "Tail copies")
                 least = self.pacer.base_rtt
                 copy_at[early_due] = now + (least + self.pacer.reorder_margin() if math.isfinite(least) else 0.0)
-                copies_open = True
             if (now_done := int(np.count_nonzero(done))) != done_count:
                 done_count, last_progress = now_done, now
             if now - last_answer > cfg.deadline or now - last_progress > cfg.deadline:
@@ -915,7 +914,7 @@ class Transport:
                 continue
             next_at = deadlines(base, nxt, now)[2]
             next_at = min(next_at, tail_probe(base, now)[1])
-            if copies_open:
+            if nxt == count:
                 pending = copy_at[base:nxt][~done[base:nxt]]
                 if pending.size:
                     next_at = min(next_at, float(pending.min()))
