@@ -1013,16 +1013,16 @@ def exchange_losing(nth: int, policy: str, seed: int, hold_after: int | None = N
 
 @pytest.mark.parametrize("warm", [False, True])
 def test_answers_to_a_tail_probe_show_the_uses_lost_before_it(warm: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One worker sends 64 uses in one go (64 slots, window 64), and the last 20 are lost: the answers stop
-    after use 43. The tail probe resends the last 8 (56..63); their answers show that uses 44..55, first
-    sent before them, are lost too (RACK on the order of first sends): those go again at once, not at their
-    timeouts. Cold (0.2 s timeouts) the 12 go by RACK. Warm (three lossless exchanges first: the timeout at
-    its floor, as long as the probe's gap; both floors 50 ms here, not 2, so that a loaded machine's round
-    trips stay below them) the timers run out with the probe, and the stall they look like must not take
-    the probe away: 8 probed and at least 11 by RACK (the oldest may go by its timer);
-    a lost probe left the 20 to go one per timeout. Exact; each lost use is resent once (those RACK found
-    with a second copy a round trip later where the first was not answered by then: nothing is left to
-    send after them), and cold none waited for its timeout."""
+    """One worker sends 64 uses in one go (64 slots, window 64), and the last 20 are lost: the answers stop after use
+    43. The tail probe resends the last 8 (56..63); their answers show that uses 44..55, first sent before them,
+    are lost too (RACK on the order of first sends): those go again at once, not at their timeouts. Cold (0.5 s
+    timeouts: far above a loaded machine's scheduling delays) the 12 go by RACK. Warm (three lossless exchanges
+    first: the timeout at its floor, as long as the probe's gap; both floors 50 ms here, not 2, so that a loaded
+    machine's round trips stay below them) the timers run out with the probe, and the stall they look like must
+    not take the probe away: 8 probed and at least 11 by RACK (the oldest may go by its timer); a lost probe
+    left the 20 to go one per timeout. Exact; each lost use is resent once (those RACK found with a second copy
+    a round trip later where the first was not answered by then: nothing is left to send after them), and cold
+    none waited for its timeout."""
     cfg = JobConfig(workers=1, slots=64, elems=K)
     seen: set[int] = set()
     losing = not warm
@@ -1036,7 +1036,7 @@ def test_answers_to_a_tail_probe_show_the_uses_lost_before_it(warm: bool, monkey
                 super()._send(data, slot)
 
     idx = np.random.default_rng(3).integers(0, 16, 64 * K).astype(np.uint8)
-    floor = 0.05 if warm else 0.2
+    floor = 0.05 if warm else 0.5
     timeouts = {"timeout": floor, "min_timeout": floor}
     if warm:
         monkeypatch.setattr(pacing, "PROBE_MIN_S", floor)
