@@ -8,6 +8,7 @@
 #   PREFIX=/opt/p4 JOBS=4 sudo -E bash scripts/build-p4-toolchain.sh
 #   PI_SRC=~/src/PI BMV2_SRC=~/src/behavioral-model P4C_SRC=~/src/p4c P4RUNTIME_SRC=~/src/p4runtime \
 #       sudo -E bash scripts/build-p4-toolchain.sh         # use checked-out sources (with submodules)
+#   TNA_INCLUDE_SRC=~/src/p4include ...                     # tna.p4's directory where P4C_SRC has no git history
 #
 # Each *_SRC, when given, must be a checkout of the version below with its git submodules. A stage whose
 # tool is already installed is skipped (FORCE=1 rebuilds everything); a stage that fails prints the end of
@@ -163,11 +164,23 @@ build_p4c() {
 }
 
 install_tna_includes() {
-    # tna.p4 and its includes, so that p4test can check the Tofino program (tests/test_p4_tofino.py).
+    # tna.p4 and its includes, so that p4test can check the Tofino program (tests/test_p4_tofino.py): from
+    # TNA_INCLUDE_SRC (a copy of p4c $TNA_COMMIT's backends/tofino/bf-p4c/p4include), else from the p4c
+    # checkout's git history at $TNA_COMMIT.
     local src=$1 dir="$PREFIX/share/p4c/tna-include" sub=backends/tofino/bf-p4c/p4include
+    mkdir -p "$dir"
+    if [ -n "${TNA_INCLUDE_SRC:-}" ]; then
+        log "TNA includes from $TNA_INCLUDE_SRC into $dir"
+        cp -r "$TNA_INCLUDE_SRC"/. "$dir"/
+        return
+    fi
+    if ! git -C "$src" rev-parse --git-dir > /dev/null 2>&1; then
+        echo "build-p4-toolchain: $src is not a git checkout, so p4c $TNA_COMMIT's $sub cannot be read from" \
+            "its history: set TNA_INCLUDE_SRC to a copy of that directory" >&2
+        return 1
+    fi
     log "TNA includes from p4c $TNA_COMMIT into $dir"
     git -C "$src" cat-file -e "$TNA_COMMIT^{commit}" 2>/dev/null || git -C "$src" fetch -q origin "$TNA_COMMIT"
-    mkdir -p "$dir"
     git -C "$src" archive "$TNA_COMMIT" "$sub" | tar -x -C "$dir" --strip-components=4
 }
 
