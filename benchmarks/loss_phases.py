@@ -130,16 +130,21 @@ class PhaseComparison:
     extra_s: float  #: median over the pairs of (lossy phase's median step - lossless phase's median step)
     low_s: float  #: the 90 % interval of the pairs' median difference (``median_interval``)
     high_s: float
-    resent_per_step: float  #: mean datagrams resent per lossy step (rank 0)
-    #: mean datagrams resent per lossy step by all ranks. Each crosses the aggregator's link, which carries
-    #: every worker's uses and so is the busiest: their bytes are the wire time that loss must cost.
+    #: datagrams rank 0 resent per lossy step more than per lossless step (means): what loss added
+    resent_per_step: float
+    #: datagrams all ranks resent per lossy step more than per lossless step (means). Each crosses the
+    #: aggregator's link, which carries every worker's uses and so is the busiest: their bytes are the wire
+    #: time that loss must cost. (A lossless step resends too, now and then: a peer or the aggregator
+    #: descheduled past a timer; that costs the lossless step as well.)
     resent_all_per_step: float
     #: mean tail probes per lossy step (rank 0): each is a loss at an exchange's end found by silence alone
     probes_per_step: float = 0.0
-    #: answers the aggregator sent again from retained results per lossy step (its rate over the lossy phases
-    #: times their median step); nan where the switches did not read it. Each answers a worker's resend of a
-    #: complete use (its answer was lost, or a peer's resend completed the use first) and crosses the
-    #: aggregator's link outbound, while the resent requests cross it inbound.
+    #: answers the aggregator sent again from retained results per lossy step more than per lossless step (its
+    #: rate over the lossy phases less its rate over the lossless ones, times the median lossy step); nan where
+    #: the switches did not read it. Each answers a worker's resend of a complete use (its answer was lost, or a
+    #: peer's resend completed the use first) and crosses the aggregator's link outbound, while the resent
+    #: requests cross it inbound. A lossless step has some too: the second copies of an exchange's last uses
+    #: that the last worker to send them sends (worker_lib/pacing.py, "Tail duplicates").
     answers_resent_per_step: float = math.nan
     #: per counter of ``COUNTERS`` but the first two, the median over the pairs of how much more it grew per step
     #: in the lossy phase than in the lossless one (where the extra goes); "aggregator_cpu_s" too where the
@@ -194,6 +199,7 @@ def compare_phases(runs: list[tuple[list[dict[str, float]], list[Switch], int]])
     lossless: list[float] = []
     lossy: list[float] = []
     resent: list[tuple[float, float, float]] = []  # per lossy step: rank 0's resends, all ranks', rank 0's probes
+    resent_lossless: list[tuple[float, float]] = []  # per lossless step: rank 0's resends, all ranks'
     probes = 1 + COUNTERS.index("tail_probes")
     for marks, switches, warmup in runs:
         phases = steps_by_phase(marks, switches, warmup)
@@ -201,7 +207,9 @@ def compare_phases(runs: list[tuple[list[dict[str, float]], list[Switch], int]])
             (lossy if switches[j].lossy else lossless).extend(step[0] for step in phase)
             if switches[j].lossy:
                 resent.extend((*step[1:3], step[probes]) for step in phase)
-            elif j + 1 < len(phases) and switches[j + 1].lossy and phase and phases[j + 1]:
+                continue
+            resent_lossless.extend(step[1:3] for step in phase)
+            if j + 1 < len(phases) and switches[j + 1].lossy and phase and phases[j + 1]:
                 pair = [statistics.median(b) - statistics.median(a)
                         for a, b in zip(zip(*phase, strict=True), zip(*phases[j + 1], strict=True), strict=True)]
                 diffs.append([*pair, _cpu_rate(switches, j + 1) - _cpu_rate(switches, j)])
@@ -215,17 +223,24 @@ def compare_phases(runs: list[tuple[list[dict[str, float]], list[Switch], int]])
     lossy_step = statistics.median(lossy)
     if agg.size:
         grown["aggregator_cpu_s"] = float(np.median(agg)) * lossy_step
-    answered = [_growth(switches, j, "answers_resent") for _, switches, _ in runs
-                for j in range(len(switches)) if switches[j].lossy]
-    answered = [g for g in answered if not math.isnan(g[0])]
-    answers = sum(g[0] for g in answered) / sum(g[1] for g in answered) * lossy_step if answered else math.nan
+    answers = (_pooled_rate(runs, "answers_resent", True) - _pooled_rate(runs, "answers_resent", False)) * lossy_step
+    before = [statistics.fmean(r[k] for r in resent_lossless) if resent_lossless else 0.0 for k in (0, 1)]
     return PhaseComparison(pairs=len(d), lossless_steps=len(lossless), lossy_steps=len(lossy),
                            lossless_s=statistics.median(lossless), lossy_s=lossy_step,
                            extra_s=float(med[0]), low_s=low, high_s=high,
-                           resent_per_step=statistics.fmean(r[0] for r in resent),
-                           resent_all_per_step=statistics.fmean(r[1] for r in resent),
+                           resent_per_step=statistics.fmean(r[0] for r in resent) - before[0],
+                           resent_all_per_step=statistics.fmean(r[1] for r in resent) - before[1],
                            probes_per_step=statistics.fmean(r[2] for r in resent),
                            answers_resent_per_step=answers, grown=grown)
+
+
+def _pooled_rate(runs: list[tuple[list[dict[str, float]], list[Switch], int]], reading: str, lossy: bool) -> float:
+    """How fast the aggregator's ``reading`` grew, per second, over all the lossy (or lossless) phases of
+    ``runs`` that have readings at both ends; nan where none has."""
+    grown = [_growth(switches, j, reading) for _, switches, _ in runs
+             for j in range(len(switches)) if switches[j].lossy == lossy]
+    grown = [g for g in grown if not math.isnan(g[0])]
+    return sum(g[0] for g in grown) / sum(g[1] for g in grown) if grown else math.nan
 
 
 def _growth(switches: list[Switch], j: int, reading: str) -> tuple[float, float]:

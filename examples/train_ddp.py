@@ -49,6 +49,7 @@ from sim.models import make_model as make_classifier
 from worker_lib.cli.args import DDP_ROTATION, FLOAT_DTYPES, ROTATIONS, comma_list, float_in, fraction, host_port, int_in
 from worker_lib.ddp import AggregatorUnreachable, DDPHookConfig, THCHookState, register_thc_hook
 from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig, JobConfigError, job_from_mapping
+from worker_lib.pacing import TAIL_DUPLICATES
 from worker_lib.transport import STALE_JOB_ADVICE
 
 log = logging.getLogger("train_ddp")
@@ -94,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read runs of answers that arrive whole as one message (UDP_GRO, where the kernel has it; "
                         "default: on)")
     p.add_argument("--multicast", metavar="GROUP:PORT", help="results by IP multicast to this group")
+    p.add_argument("--tail-duplicates", type=int_in(0, 65536), default=TAIL_DUPLICATES, metavar="N",
+                   help="the last N uses of each exchange go out twice, so that a request lost at its end costs "
+                        f"no recovery (docs/protocol.md; 0: off; default {TAIL_DUPLICATES})")
     p.add_argument("--loss-policy", choices=("reliable", "zero-fill"), default="reliable")
     p.add_argument("--timeout", type=float_in(1e-4, 60), default=0.05,
                    help="retransmit timeout, s, 0.0001..60, until the round trip is measured "
@@ -254,7 +258,7 @@ def hook_config(args: argparse.Namespace, job: JobConfig, members: list[tuple[st
                          loss_policy=args.loss_policy,
                          timeout=args.timeout, deadline=args.deadline, bind_host=bind,
                          error_feedback=not args.no_error_feedback, overlap=not args.no_overlap, seed=args.seed,
-                         gro=args.gro, rotation=args.rotation)
+                         gro=args.gro, rotation=args.rotation, tail_duplicates=args.tail_duplicates)
 
 
 def publish_aggregator(args: argparse.Namespace, stack: contextlib.ExitStack, rank: int, world: int,

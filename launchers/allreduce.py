@@ -26,6 +26,7 @@ from aggregator.engine import Aggregator
 from launchers.aggregator_process import die_with_parent, local_aggregator, local_tiers
 from worker_lib.cli.args import comma_list, float_in, fraction, host_port, int_in
 from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig, JobConfigError, job_from_mapping
+from worker_lib.pacing import TAIL_DUPLICATES
 from worker_lib.wire.bits import pack_bits
 from worker_lib.wire.layout import PacketType
 from worker_lib.wire.serializer import build_batch, decode_sums, header_view
@@ -53,6 +54,7 @@ class RunSpec:
     pcap: Path | None = None  #: per-worker captures (FILE.worker<w>.pcap) when the aggregator is not ours
     leaf_addresses: list[tuple[str, int]] | None = None  #: two tiers: leaf l's address (the workers' aggregators)
     gro: bool = True  #: workers (and the aggregators started here) read runs of answers whole (UDP_GRO)
+    tail_duplicates: int = TAIL_DUPLICATES  #: TransportConfig.tail_duplicates
 
 
 WORKER_MODULES = ("torch", "worker_lib.allreduce", "worker_lib.thc", "worker_lib.transport")
@@ -83,6 +85,7 @@ def _worker(spec: RunSpec, worker: int, barrier: mp.synchronize.Barrier) -> None
                            loss_policy=spec.loss_policy, timeout=spec.timeout, deadline=spec.deadline,
                            drop_up=spec.drop_up, drop_down=spec.drop_down, seed=spec.seed,
                            multicast=spec.multicast, retries=spec.retries, gro=spec.gro,
+                           tail_duplicates=spec.tail_duplicates,
                            pcap=worker_pcap(spec.pcap, worker) if spec.pcap is not None else None)
     out = Path(spec.outdir)
     try:
@@ -239,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "message (UDP_GRO, where the kernel has it; default: on)")
     p.add_argument("--multicast", metavar="GROUP:PORT",
                    help="results once to this IP multicast group (the started aggregator runs --multicast)")
+    p.add_argument("--tail-duplicates", type=int_in(0, 65536), default=TAIL_DUPLICATES, metavar="N",
+                   help="reliable: the last N uses of each exchange go out twice, so that a request lost at its end "
+                        f"costs no recovery (docs/protocol.md; 0: off; default {TAIL_DUPLICATES})")
     p.add_argument("--pcap", type=Path, metavar="FILE",
                    help="write the traffic to pcap: the started aggregator's to FILE; with --aggregator, each "
                         "worker's own (what it sent and accepted) to FILE.worker<w>.pcap")
@@ -289,7 +295,7 @@ def run(args: argparse.Namespace) -> dict:
         spec = RunSpec(job, members, args.shards, args.dim, args.steps, args.seed, args.loss_policy,
                        args.drop_up, args.drop_down, args.timeout, args.deadline, tmp, run_nonce(), args.multicast,
                        TransportConfig.retries if args.retries is None else args.retries,
-                       args.pcap if args.aggregator else None, leaf_addresses, args.gro)
+                       args.pcap if args.aggregator else None, leaf_addresses, args.gro, args.tail_duplicates)
         ctx = mp.get_context("fork")
         barrier = ctx.Barrier(args.workers)
         procs = [ctx.Process(target=_worker, args=(spec, w, barrier), name=f"thc-worker{w}")

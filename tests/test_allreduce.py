@@ -127,6 +127,7 @@ def test_lengths_that_do_not_fill_a_chunk(args: tuple[str, ...]) -> None:
     (["--p", "3"], "p must lie in (0, 1)"),
     (["--leaf-engine", "numpy"], "--parent-loss and --leaf-engine are for two tiers (--leaves)"),
     (["--retries", "2"], "--retries counts the resends before zero-fill gives a chunk up"),
+    (["--tail-duplicates", "-1"], "--tail-duplicates: must be in 0..65536, got -1"),
     (["--pcap", "/nonexistent/dir/x.pcap", "--dim", "64"],
      "thc-aggregator exited at start (exit code 1): thc-aggregator: cannot write the pcap file"),
 ])
@@ -150,3 +151,12 @@ def test_answers_come_coalesced_unless_told_not_to(gro: bool) -> None:
     assert s["exact"] is True and s["gro"] is gro
     assert (s["coalesced_receives"] > 0) is gro, s["coalesced_receives"]
     assert s["waits"] > 0  # the engine's waits for the network are counted (its wake-ups)
+
+
+@pytest.mark.parametrize(("argv", "most"), [((), 2 * 32), (("--tail-duplicates", "0"), 0)])
+def test_the_last_uses_of_each_exchange_go_twice_unless_told_not_to(argv: tuple[str, ...], most: int) -> None:
+    """Each worker sends a second copy of those of the last 32 uses of its one data exchange that are still
+    unanswered when it sends the last (docs/protocol.md, "Tail duplicates"), at least that last one; none with
+    --tail-duplicates 0. Exact either way."""
+    s = allreduce("--workers", "2", "--dim", "262144", *argv)
+    assert s["exact"] is True and min(most, 2) <= s["tail_duplicates"] <= most, s

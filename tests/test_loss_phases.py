@@ -85,16 +85,26 @@ def test_each_lossy_phase_is_compared_with_the_lossless_one_before_it() -> None:
                                        "aggregator_cpu_s": 0.1 * 0.154})
 
 
+def test_resends_count_what_loss_added() -> None:
+    """Rank 0 resends 1 datagram in each lossless step (a peer descheduled past a timer) and 5 in each lossy
+    one, all ranks 3 and 11: loss added 4 and 8 per step, the resends the yardstick is made of."""
+    marks = [_mark(0.1, 0.2, 1, resent_all=3), _mark(0.3, 0.4, 2, resent_all=6),
+             _mark(1.1, 1.2, 7, resent_all=17), _mark(1.3, 1.4, 12, resent_all=28)]
+    cmp = compare_phases([(marks, _switches(0.0, 1.0), 0)])
+    assert cmp is not None and cmp.lossless_steps == 2 and cmp.lossy_steps == 2
+    assert (cmp.resent_per_step, cmp.resent_all_per_step) == pytest.approx((4.0, 8.0))
+
+
 def test_answers_sent_again_per_lossy_step() -> None:
     """The aggregator's answers sent again, read at each switch: run A's lossy phase 1 (1.0 .. 2.0 s) added 30,
-    its lossy phase 3 (3.0 .. 5.0 s) 90; run B's only lossy phase has no end reading, and the lossless phases do
-    not count: 120 answers in 3 s of lossy phases, times the median lossy step (120 ms), 4.8 per step. Without
-    readings: nan."""
+    its lossy phase 3 (3.0 .. 5.0 s) 90: 40 a second; its lossless phases 0 and 2 added 5 and 55 in a second
+    each, and run B's lossless phase 0 added 8 (its lossy phase has no end reading): 68 in 3 s. Loss added
+    40 - 68 / 3 a second, times the median lossy step (120 ms): 2.08 per step. Without readings: nan."""
     steps = [_mark(0.1, 0.2, 0), _mark(1.1, 1.22, 3), _mark(2.1, 2.2, 3), _mark(3.1, 3.22, 4)]
-    run_a = (steps, _switches(0.0, 1.0, 2.0, 3.0, 5.0, answers=(0.0, 5.0, 35.0, 1000.0, 1090.0)), 0)
-    run_b = ([_mark(0.1, 0.2, 0), _mark(1.1, 1.22, 1)], _switches(0.0, 1.0, answers=(0.0, 7.0)), 0)
+    run_a = (steps, _switches(0.0, 1.0, 2.0, 3.0, 5.0, answers=(0.0, 5.0, 35.0, 90.0, 180.0)), 0)
+    run_b = ([_mark(0.1, 0.2, 0), _mark(1.1, 1.22, 1)], _switches(0.0, 1.0, answers=(0.0, 8.0)), 0)
     cmp = compare_phases([run_a, run_b])
-    assert cmp is not None and cmp.answers_resent_per_step == pytest.approx(120 / 3 * 0.12)
+    assert cmp is not None and cmp.answers_resent_per_step == pytest.approx(2.08)
     cmp = compare_phases([(steps, _switches(0.0, 1.0, 2.0, 3.0, 5.0), 0)])
     assert cmp is not None and math.isnan(cmp.answers_resent_per_step)
 

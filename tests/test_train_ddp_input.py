@@ -76,3 +76,14 @@ def test_the_hook_reads_coalesced_answers_unless_told_not_to(argv: list[str], gr
     args = check_args(p, p.parse_args(["--compression", "thc", *argv]))
     cfg = hook_config(args, job_config(args, 2), [("127.0.0.1", 9451)])
     assert cfg.gro is gro and cfg.transport_config(0, 2).gro is gro
+
+
+@pytest.mark.parametrize(("argv", "copies"),
+                         [([], 32), (["--tail-duplicates", "0"], 0), (["--tail-duplicates", "7"], 7)])
+def test_tail_duplicates_reach_the_hooks_transport(argv: list[str], copies: int) -> None:
+    """An exchange's last 32 uses go twice by default (docs/protocol.md, "Tail duplicates"); --tail-duplicates
+    sets how many (0: none), through to the hook's transport settings."""
+    p = build_parser()
+    args = check_args(p, p.parse_args(["--compression", "thc", *argv]))
+    cfg = hook_config(args, job_config(args, 2), [("127.0.0.1", 9451)])
+    assert cfg.tail_duplicates == copies and cfg.transport_config(0, 2).tail_duplicates == copies

@@ -1,6 +1,8 @@
 """Worker transport against a real aggregator server on loopback: served from a thread here, so that its
 counters can be read, or, for the tests that time resends, from a process of its own (``serving_apart``);
-tests/test_allreduce.py runs separate processes throughout."""
+tests/test_allreduce.py runs separate processes throughout. The tests of one recovery mechanism (RACK, probes,
+copies, runs) that count a use's sends turn tail duplicates off (``tail_duplicates=0``): those send an
+exchange's last uses twice."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from tests.transport_support import opened_runs
 from worker_lib import pacing
 from worker_lib.allreduce import THCAllreduce
 from worker_lib.job import JobConfig
-from worker_lib.pacing import PROBE_USES, Pacer
+from worker_lib.pacing import PROBE_USES, TAIL_DUPLICATES, Pacer
 from worker_lib.thc import SignKey, THCCodec, THCConfig, THCWorker, lookup_sum
 from worker_lib.transport import (
     AggregatorStateError,
@@ -757,8 +759,10 @@ def test_a_late_peer_costs_one_probe_per_timeout(stale: bool) -> None:
 
     idx = random_indices(cfg, 8)
     with serving_apart(cfg) as srv_port, \
-            Recording(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv_port), gso=False)) as t0, \
-            Recording(TransportConfig(cfg, worker=1, aggregator=("127.0.0.1", srv_port), gso=False)) as t1:
+            Recording(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv_port), gso=False,
+                                      tail_duplicates=0)) as t0, \
+            Recording(TransportConfig(cfg, worker=1, aggregator=("127.0.0.1", srv_port), gso=False,
+                                      tail_duplicates=0)) as t1:
         t0.recording = t1.recording = False
         for _ in range(2):  # both together: worker 0 measures the round trip (a cold numba cache slows the first)
             th = threading.Thread(target=t1.exchange_indices, args=(idx[1],))
@@ -815,8 +819,10 @@ def exchange_with_a_stalling_peer(stall_after: int) -> np.ndarray:
 
     idx = random_indices(cfg, 2 * cfg.slots)
     with serving_apart(cfg) as srv_port, \
-            Recording(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv_port), gso=False)) as t0, \
-            Stalling(TransportConfig(cfg, worker=1, aggregator=("127.0.0.1", srv_port), gso=False)) as t1:
+            Recording(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv_port), gso=False,
+                                      tail_duplicates=0)) as t0, \
+            Stalling(TransportConfig(cfg, worker=1, aggregator=("127.0.0.1", srv_port), gso=False,
+                                     tail_duplicates=0)) as t1:
         th = threading.Thread(target=t1.exchange_indices, args=(idx[1],))
         th.start()
         t0.exchange_indices(idx[0])  # both together: worker 0 measures the round trip, its window opens
@@ -1003,7 +1009,7 @@ def exchange_losing(nth: int, policy: str, seed: int, hold_after: int | None = N
     idx = np.random.default_rng(seed).integers(0, 16, 16 * K).astype(np.uint8)
     with serving_apart(cfg) as srv_port, Losing(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", srv_port),
                                                      loss_policy=policy, timeout=0.2, min_timeout=0.2,
-                                                     window=window, gso=False)) as tr:
+                                                     window=window, gso=False, tail_duplicates=0)) as tr:
         t0 = time.monotonic()
         res = tr.exchange_indices(idx)
         wall = time.monotonic() - t0
@@ -1042,7 +1048,7 @@ def test_answers_to_a_tail_probe_show_the_uses_lost_before_it(warm: bool, monkey
         monkeypatch.setattr(pacing, "PROBE_MIN_S", floor)
     with serving_apart(cfg) as srv_port, LosingTheTail(TransportConfig(
             cfg, worker=0, aggregator=("127.0.0.1", srv_port), window=64, initial_window=64, gso=False,
-            **timeouts)) as tr:
+            tail_duplicates=0, **timeouts)) as tr:
         if warm:
             for _ in range(3):
                 tr.exchange_indices(idx)
@@ -1131,7 +1137,7 @@ def _tail_exchange(seed: int, lost: int, delay: float, timeout: float, gso: bool
     idx = np.random.default_rng(seed).integers(0, 16, 16 * K).astype(np.uint8)
     with serving_apart(cfg) as srv_port, delaying_relay(srv_port, delay, drop=drop) as port, \
             Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=timeout,
-                                      min_timeout=timeout, gso=gso)) as tr:
+                                      min_timeout=timeout, gso=gso, tail_duplicates=0)) as tr:
         res = tr.exchange_indices(idx)
     assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
     return sends_of_14, tr.stats
@@ -1191,12 +1197,63 @@ def test_a_resend_in_the_run_of_the_last_new_uses_gets_a_second_copy(monkeypatch
     idx = np.random.default_rng(13).integers(0, 16, 6 * K).astype(np.uint8)
     with serving_apart(cfg) as srv_port, delaying_relay(srv_port, 0.02, drop=drop) as port, \
             Descheduled(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=0.2, min_timeout=0.2,
-                                        window=4, initial_window=4, gso=True)) as tr:
+                                        window=4, initial_window=4, gso=True, tail_duplicates=0)) as tr:
         res = tr.exchange_indices(idx)
     assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
     assert len(sends_of_1) == 3, len(sends_of_1)
     st = tr.stats
     assert (st.early_retransmissions, st.tail_copies, st.retransmissions, st.tail_probes) == (1, 1, 2, 0), st
+
+
+def _sends_per_slot(cfg: JobConfig, drop: Callable[[bytes], bool] | None = None, **kw: object,
+                    ) -> tuple[np.ndarray, TransportStats, float]:
+    """One worker exchanges 16 uses through ``delaying_relay`` (no delay; ``drop`` loses requests): how often
+    each slot's request was sent, the transport's counters and the exchange's seconds. Checks exactness."""
+    seen = np.zeros(cfg.slots, np.int64)
+
+    def count(data: bytes) -> bool:
+        seen[Header.unpack_from(np.frombuffer(data, np.uint8)).slot] += 1
+        return drop is not None and drop(data)
+
+    idx = np.random.default_rng(14).integers(0, 16, 16 * K).astype(np.uint8)
+    with serving_apart(cfg) as srv_port, delaying_relay(srv_port, 0.0, drop=count) as port, \
+            Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=0.2, min_timeout=0.2,
+                                      **kw)) as tr:
+        t0 = time.monotonic()
+        res = tr.exchange_indices(idx)
+        wall = time.monotonic() - t0
+    assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
+    return seen, tr.stats, wall
+
+
+@pytest.mark.parametrize("gso", [False, True])
+def test_the_last_uses_of_an_exchange_go_twice(gso: bool) -> None:
+    """With ``tail_duplicates=4``, the last 4 of 16 uses go out twice, with their first copies, and every
+    other use once; the copies are counted apart from retransmissions (nothing was lost). Under zero-fill,
+    whose workers keep to one fixed timeout, and with ``tail_duplicates=0``, every use goes once."""
+    if gso and not gso_available(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)):
+        pytest.skip("the kernel has no UDP_SEGMENT (udp(7), Linux 4.18+)")
+    cfg = JobConfig(workers=1, slots=16, elems=K)
+    seen, st, _ = _sends_per_slot(cfg, tail_duplicates=4, gso=gso)
+    assert seen.tolist() == [1] * 12 + [2] * 4, seen
+    assert (st.tail_duplicates, st.retransmissions, st.packets_sent) == (4, 0, 20), st
+    for kw in ({"loss_policy": "zero-fill"}, {"tail_duplicates": 0}):
+        seen, st, _ = _sends_per_slot(cfg, gso=gso, **kw)
+        assert seen.tolist() == [1] * 16 and st.tail_duplicates == 0, (kw, seen, st)
+
+
+def test_a_request_lost_among_the_last_uses_is_completed_by_its_duplicate() -> None:
+    """The first send of use 14 of 16 is lost. Its duplicate, sent with it (all 16 uses are within the last
+    ``TAIL_DUPLICATES``), completes it: nothing is resent, no tail probe, and the exchange takes far less than
+    its 0.2 s timeout. (Without duplicates, RACK found the loss from use 15's answer and resent it: a round
+    trip more, at an exchange's end where nothing else hides it.)"""
+    cfg = JobConfig(workers=1, slots=16, elems=K)
+    assert cfg.slots <= TAIL_DUPLICATES
+    sends_of_14, drop = _losing_first_sends(14, 1)
+    seen, st, wall = _sends_per_slot(cfg, drop=drop)
+    assert len(sends_of_14) == 2 and seen.tolist() == [2] * 16, (sends_of_14, seen)
+    assert (st.tail_duplicates, st.retransmissions, st.tail_probes) == (16, 0, 0), st
+    assert wall < 0.15, wall
 
 
 @pytest.mark.skipif(not gso_available(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)),
@@ -1224,7 +1281,7 @@ def test_resends_leave_as_runs_and_stay_exact() -> None:
 
     idx = np.random.default_rng(7).integers(0, 16, 64 * K).astype(np.uint8)
     with serving_apart(cfg) as srv_port, delaying_relay(srv_port, 0.0, drop=first_copy_of_every_fourth) as port, \
-            Runs(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=0.05)) as tr:
+            Runs(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=0.05, tail_duplicates=0)) as tr:
         res = tr.exchange_indices(idx)
     assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
     assert len(seen) == 16

@@ -59,6 +59,7 @@ import torch.distributed as dist
 from worker_lib.allreduce import TransportExchange, check_table, thc_allreduce
 from worker_lib.cli.args import DDP_ROTATION
 from worker_lib.job import JobConfig
+from worker_lib.pacing import TAIL_DUPLICATES
 from worker_lib.thc import THCConfig, THCWorker
 from worker_lib.thc.codec import Rotation, warm_up
 from worker_lib.transport import (
@@ -104,6 +105,8 @@ class DDPHookConfig:
     overlap: bool = True  #: exchange on a background thread (overlaps backward); False: inside the hook
     seed: int = 0  #: seeds the stochastic quantization (mixed with the rank)
     gro: bool = True  #: read answers that arrive as one run as one message (UDP_GRO; TransportConfig.gro)
+    #: the last this many uses of each bucket's index exchange go out twice (TransportConfig.tail_duplicates)
+    tail_duplicates: int = TAIL_DUPLICATES
     #: one rotation per bucket, with error feedback kept rotated, or new signs every step (the paper's;
     #: THCConfig.rotation). None: fixed with error feedback, per-step without (docs/ddp.md says why)
     rotation: Rotation | None = None
@@ -155,7 +158,8 @@ class DDPHookConfig:
                                more_aggregators=tuple((h, int(p)) for h, p in self.more_aggregators),
                                shards=self.shards, loss_policy=self.loss_policy, timeout=self.timeout,
                                retries=self.retries, deadline=self.deadline, window=self.window, seed=self.seed,
-                               bind_host=self.bind_host, multicast=self.job.multicast, gro=self.gro)
+                               bind_host=self.bind_host, multicast=self.job.multicast, gro=self.gro,
+                               tail_duplicates=self.tail_duplicates)
 
 
 def settings_disagree(per_rank: list[dict[str, object]]) -> str | None:

@@ -59,7 +59,7 @@ import numpy as np
 
 from worker_lib.batch_io import BatchSocket, sockaddr_to_tuple
 from worker_lib.job import JobConfig
-from worker_lib.pacing import BURST_RUN, PROBE_USES, Pacer, extend_loss_runs
+from worker_lib.pacing import BURST_RUN, PROBE_USES, TAIL_DUPLICATES, Pacer, extend_loss_runs
 from worker_lib.packet_feed import PacketFeed
 from worker_lib.resend_timers import due_uses
 from worker_lib.result_intake import OWN_SHARE_PROBE, foreign_chunk, has_notice, take_results
@@ -143,6 +143,9 @@ class TransportConfig:
     gro: bool = True
     #: send a run of new uses as one UDP GSO datagram (UDP_SEGMENT) where the kernel has it
     gso: bool = True
+    #: the last this many uses of a data exchange go out twice, back to back (reliable policy; pacing.py,
+    #: "Tail duplicates"): a request lost in an exchange's last round trip costs no recovery; 0 turns it off
+    tail_duplicates: int = TAIL_DUPLICATES
     drop_up: float = 0.0  #: simulated loss of sent packets (seeded, for tests and experiments)
     drop_down: float = 0.0  #: simulated loss of received packets
     seed: int = 0
@@ -179,6 +182,8 @@ class TransportConfig:
             raise ValueError(f"window must be in 1..slots={p.slots}")
         if self.initial_window < 1:
             raise ValueError(f"initial_window must be at least 1, got {self.initial_window}")
+        if not is_integer(self.tail_duplicates) or self.tail_duplicates < 0:
+            raise ValueError(f"tail_duplicates must be a non-negative integer, got {self.tail_duplicates!r}")
         if p.tiered and len(self.destinations) > 1:
             raise ValueError("a two-tier job's worker talks to its leaf alone: no more_aggregators or shards")
         if len(self.destinations) > 4096:
@@ -213,6 +218,9 @@ class TransportStats:
     #: extra copies sent of uses that RACK found lost after an exchange's last new use (pacing.py, "Tail copies";
     #: each is counted in ``retransmissions`` too)
     tail_copies: int = 0
+    #: second copies of an exchange's last uses, sent with their first (pacing.py, "Tail duplicates"; not
+    #: retransmissions: a lossless exchange sends them too)
+    tail_duplicates: int = 0
     #: seconds waited with room in the window but no free slot: every slot busy behind the oldest open
     #: use (more slots would have let the worker send on; ``--slots``)
     slot_bound_s: float = 0.0
@@ -875,13 +883,21 @@ class Transport:
             first = time.monotonic()
             n = room(base, nxt)
             use_of_slot[slots[nxt:nxt + n]] = np.arange(nxt, nxt + n)
+            # With the exchange's last new uses, second copies of its last open uses (pacing.py, "Tail duplicates")
+            dups = _NO_USES
+            if early and n and nxt + n == count and cfg.tail_duplicates:
+                lo = max(base, count - cfg.tail_duplicates)
+                dups = np.setdiff1d(np.flatnonzero(~done[lo:count]) + lo, again, assume_unique=True)
+                self.stats.tail_duplicates += int(dups.size)
             if runs_of_block and (n or again):
-                # one system call for both (a copy only with resends: C-contiguous, as sendmsg needs); the
-                # resends go last and are stamped after the call: an answer to a use first sent in this
-                # pass must not make a resend look sent earlier than it (RACK would resend it again)
-                self._send_run(block[np.r_[nxt:nxt + n, again]] if again else block[nxt:nxt + n])
+                # one system call for all (a copy only with resends or duplicates: C-contiguous, as sendmsg
+                # needs); the resends go after the new uses and are stamped after the call: an answer to a use
+                # first sent in this pass must not make a resend look sent earlier than it (RACK would resend
+                # it again). Duplicates are not stamped: their uses' timers run from the first copies.
+                rows = np.concatenate([np.arange(nxt, nxt + n), np.asarray(again, np.int64), dups])
+                self._send_run(block[rows] if rows.size > n else block[nxt:nxt + n])
             else:
-                for i in range(nxt, nxt + n):
+                for i in [*range(nxt, nxt + n), *dups.tolist()]:
                     for data in packets[i]:
                         self._send(data, int(slots[i]))
             stamp_sent(slice(nxt, nxt + n), first)
