@@ -52,6 +52,7 @@ from topologies.netem import ExitOnSignals, NetemConfig, NetemError, Topology, r
 from topologies.netem.ddp import run_training, start_aggregator
 from worker_lib.cli.args import DDP_ROTATION, ROTATIONS, comma_list, float_in, int_in
 from worker_lib.job import IP_UDP_OVERHEAD, JobConfig, JobConfigError
+from worker_lib.pacing import TAIL_DUPLICATES
 from worker_lib.wire.layout import HEADER_BYTES
 
 MODES = ("thc", "thc-mcast", "int32", "int32-mcast", "gloo")
@@ -71,7 +72,8 @@ def model_args(args: argparse.Namespace) -> list[str]:
     return ["--width", str(args.width), "--layers", str(args.layers), "--in-features", str(args.in_features),
             "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--lr", "0.01", "--deadline", "60", "--mtu", str(args.mtu), "--timeout", str(args.timeout),
-            "--slots", str(args.slots), "--gro" if args.gro else "--no-gro"]
+            "--slots", str(args.slots), "--gro" if args.gro else "--no-gro", "--tail-duplicates",
+            str(args.tail_duplicates)]
 
 
 def elems_for(job_kind: str, args: argparse.Namespace) -> int | None:
@@ -457,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gro", action=argparse.BooleanOptionalAction, default=True,
                    help="workers and aggregator read runs that arrive whole as one message (UDP_GRO; default: on, "
                         "as in thc-aggregator and train_ddp.py); --no-gro to compare with a run without it")
+    p.add_argument("--tail-duplicates", type=int_in(0, 65536), default=TAIL_DUPLICATES, metavar="N",
+                   help=f"the workers send the last N uses of each exchange twice (default {TAIL_DUPLICATES}, as in "
+                        "train_ddp.py; 0: off, to compare)")
     p.add_argument("--loss-udp-only", action="store_true", help="drop only UDP (gloo's TCP and the rendezvous "
                                                                  "are spared)")
     p.add_argument("--run-timeout", type=float_in(1, 86400), default=300.0,

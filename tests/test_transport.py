@@ -1180,8 +1180,11 @@ def test_a_resend_in_the_run_of_the_last_new_uses_gets_a_second_copy(monkeypatch
     then the resend, in one run: nothing is sent after that resend, as after one found once every new use
     is out. Unanswered a least round trip later, it goes again, and that copy completes the use, with no
     tail probe. (Only resends found after the pass that sent the last new use got a copy: this one waited
-    for the probe's silence. In DDP steps with 5 % loss, such resends were 44 % of the tail probes.)"""
+    for the probe's silence. In DDP steps with 5 % loss, such resends were 44 % of the tail probes.) The probe's
+    silence is 150 ms here, not twice the least round trip (40 ms): a worker descheduled for 20 ms on a loaded CI
+    machine probed the use before the copy's answer came, a fourth send."""
     monkeypatch.setattr(Pacer, "reorder_margin", lambda self: 0.0)
+    monkeypatch.setattr(pacing, "PROBE_MIN_S", 0.15)
     cfg = JobConfig(workers=1, slots=16, elems=K)
     sends_of_1, drop = _losing_first_sends(1, 2)
 
