@@ -291,8 +291,8 @@ def test_the_ddp_benchmark_reads_the_answers_sent_again_at_each_loss_switch(tmp_
     are read from its control socket at every switch, never fall, and grow while the loss is on; an answer
     (8-bit results of two workers) is about twice a request (4-bit indices) with the same 60 bytes of headers;
     the report prints their time and count per lossy step. Without tail duplicates: this model's exchanges are
-    shorter than 32 uses, and the last worker's copies of all of them would be answered again in every step,
-    lossless or not, so that what loss adds could come out below zero."""
+    short, a quarter of each is duplicated, and the last worker's copies are answered again in every step,
+    lossless or not, so that what loss adds came out below zero (-1 answer per step)."""
     out = tmp_path / "rows.json"
     res = subprocess.run([sys.executable, "-m", "benchmarks.ddp_netem", "--rates", "200", "--modes", "thc",
                           "--width", "256", "--steps", "40", "--warmup", "2", "--loss", "0,10", "--loss-udp-only",

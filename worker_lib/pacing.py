@@ -130,24 +130,25 @@ loss each way, four runs alternated with back-to-back copies: the lossy step's e
 copied: a tail probe or a timer's resend is not (a peer late at the end must cost one probe per
 timeout, see "Probing"), and neither is a resend in the middle of an exchange.
 
-Tail duplicates: a loss among an exchange's last uses costs a recovery that nothing hides. Once every
-use is sent, the answers queued on the aggregator's link drain; a use whose request was lost is found
-(RACK) when the next use's answer arrives, and its resend is answered at the back of what is left of
-that queue. Found within the last round trip of the drain, the resend's answer comes after the last
-one, a round trip plus RACK's margin later, and the whole step waits for it. With 1 % loss each way and
-two workers, about 120 datagrams of an exchange's last round trip at 1 Gbit/s, such a loss lengthened
-most lossy exchanges by about a millisecond (docs/measurements.md, twenty-first and twenty-fourth
-sessions). So the pass that sends an exchange's last new uses also sends a second copy of each of its
-last ``TAIL_DUPLICATES`` open uses (``TransportConfig.tail_duplicates``), in the same run, after the
-first copies: where a request was lost, its copy completes the use. Where it was not, the aggregator
-drops the copy as a duplicate while the use waits for another worker's request, and answers it again
-from its retained result when this worker's first copy completed the use (the last worker to send):
-that answer also recovers a lost completion answer. The copies are not retransmissions (a lossless
-exchange sends them too) and start no timer. Their price, in DDP steps at 1 Gbit/s: the last worker's
-copies answered again, about 30 answers of 1,500 bytes per exchange, and the sends. In eight runs of DDP
-steps with 1 % loss each way, alternated with the code before: the lossless step unchanged (132.7 ms both),
-the lossy one 0.9 ms shorter, its tail's growth +0.3 ms instead of +1.3 (docs/measurements.md,
-twenty-seventh session). A use resent in the same pass gets no duplicate besides.
+Tail duplicates: a loss among an exchange's last uses costs a recovery that nothing hides. Once every use is
+sent, the answers queued on the aggregator's link drain; a use whose request was lost is found (RACK) when the
+next use's answer arrives, and its resend is answered at the back of what is left of that queue. Found within
+the last round trip of the drain, the resend's answer comes after the last one, a round trip plus RACK's
+margin later, and the whole step waits for it. With 1 % loss each way and two workers, about 120 datagrams of
+an exchange's last round trip at 1 Gbit/s, such a loss lengthened most lossy exchanges by about a millisecond
+(docs/measurements.md, twenty-first and twenty-fourth sessions). So the pass that sends an exchange's last new
+uses also sends a second copy of each of its last ``TAIL_DUPLICATES`` open uses
+(``TransportConfig.tail_duplicates``), in the same run, after the first copies; of at most a quarter of the
+exchange's uses (at least one): a short exchange is all tail, and copies of all of it would double its
+traffic. Where a request was lost, its copy completes the use. Where it was not, the aggregator drops the copy
+as a duplicate while the use waits for another worker's request, and answers it again from its retained result
+when this worker's first copy completed the use (the last worker to send): that answer also recovers a lost
+completion answer. The copies are not retransmissions (a lossless exchange sends them too) and start no timer.
+Their price, in DDP steps at 1 Gbit/s: the last worker's copies answered again, about 30 answers of 1,500
+bytes per exchange, and the sends. In eight runs of DDP steps with 1 % loss each way, alternated with the code
+before: the lossless step unchanged (132.7 ms both), the lossy one 0.9 ms shorter, its tail's growth +0.3 ms
+instead of +1.3 (docs/measurements.md, twenty-seventh session). A use resent in the same pass gets no
+duplicate besides.
 
 A transport under ``zero-fill`` builds its ``Pacer`` with both adaptations off: its workers must stay in
 step (a chunk one worker gave up must not complete for another), so the timeout stays ``timeout`` and
