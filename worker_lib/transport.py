@@ -895,8 +895,10 @@ class Transport:
                 # needs); the resends go after the new uses and are stamped after the call: an answer to a use
                 # first sent in this pass must not make a resend look sent earlier than it (RACK would resend
                 # it again). Duplicates are not stamped: their uses' timers run from the first copies.
-                rows = np.concatenate([np.arange(nxt, nxt + n), np.asarray(again, np.int64), dups])
-                self._send_run(block[rows] if rows.size > n else block[nxt:nxt + n])
+                if again or dups.size:
+                    self._send_run(block[np.concatenate([np.arange(nxt, nxt + n), np.asarray(again, np.int64), dups])])
+                else:
+                    self._send_run(block[nxt:nxt + n])
             else:
                 for i in [*range(nxt, nxt + n), *dups.tolist()]:
                     for data in packets[i]:
