@@ -1129,18 +1129,35 @@ def _losing_first_sends(slot: int, lost: int) -> tuple[list[bytes], Callable[[by
     return seen, drop
 
 
+def _sends_per_slot(cfg: JobConfig, drop: Callable[[bytes], bool] | None = None, *, seed: int = 14,
+                    delay: float = 0.0, **kw: object) -> tuple[np.ndarray, TransportStats, float]:
+    """One worker exchanges 16 uses through ``delaying_relay`` (``delay``; ``drop`` loses requests), with
+    ``TransportConfig`` settings ``kw`` (timeouts 0.2 s unless given): how often each slot's request was sent,
+    the transport's counters and the exchange's seconds. Checks exactness."""
+    seen = np.zeros(cfg.slots, np.int64)
+
+    def count(data: bytes) -> bool:
+        seen[Header.unpack_from(np.frombuffer(data, np.uint8)).slot] += 1
+        return drop is not None and drop(data)
+
+    idx = np.random.default_rng(seed).integers(0, 16, 16 * K).astype(np.uint8)
+    settings = {"timeout": 0.2, "min_timeout": 0.2, **kw}
+    with serving_apart(cfg) as srv_port, delaying_relay(srv_port, delay, drop=count) as port, \
+            Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), **settings)) as tr:
+        t0 = time.monotonic()
+        res = tr.exchange_indices(idx)
+        wall = time.monotonic() - t0
+    assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
+    return seen, tr.stats, wall
+
+
 def _tail_exchange(seed: int, lost: int, delay: float, timeout: float, gso: bool) -> tuple[list[bytes], TransportStats]:
     """One exchange of 16 uses by one worker through ``delaying_relay`` (``delay``) losing the first ``lost``
-    sends of use 14; checks the sums are exact; returns use 14's sends and the transport's counters."""
-    cfg = JobConfig(workers=1, slots=16, elems=K)
+    sends of use 14, without tail duplicates (``_sends_per_slot``); returns use 14's sends and the counters."""
     sends_of_14, drop = _losing_first_sends(14, lost)
-    idx = np.random.default_rng(seed).integers(0, 16, 16 * K).astype(np.uint8)
-    with serving_apart(cfg) as srv_port, delaying_relay(srv_port, delay, drop=drop) as port, \
-            Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=timeout,
-                                      min_timeout=timeout, gso=gso, tail_duplicates=0)) as tr:
-        res = tr.exchange_indices(idx)
-    assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
-    return sends_of_14, tr.stats
+    _, st, _ = _sends_per_slot(JobConfig(workers=1, slots=16, elems=K), drop, seed=seed, delay=delay,
+                               timeout=timeout, min_timeout=timeout, gso=gso, tail_duplicates=0)
+    return sends_of_14, st
 
 
 @pytest.mark.parametrize("gso", [False, True])
@@ -1206,27 +1223,6 @@ def test_a_resend_in_the_run_of_the_last_new_uses_gets_a_second_copy(monkeypatch
     assert len(sends_of_1) == 3, len(sends_of_1)
     st = tr.stats
     assert (st.early_retransmissions, st.tail_copies, st.retransmissions, st.tail_probes) == (1, 1, 2, 0), st
-
-
-def _sends_per_slot(cfg: JobConfig, drop: Callable[[bytes], bool] | None = None, **kw: object,
-                    ) -> tuple[np.ndarray, TransportStats, float]:
-    """One worker exchanges 16 uses through ``delaying_relay`` (no delay; ``drop`` loses requests): how often
-    each slot's request was sent, the transport's counters and the exchange's seconds. Checks exactness."""
-    seen = np.zeros(cfg.slots, np.int64)
-
-    def count(data: bytes) -> bool:
-        seen[Header.unpack_from(np.frombuffer(data, np.uint8)).slot] += 1
-        return drop is not None and drop(data)
-
-    idx = np.random.default_rng(14).integers(0, 16, 16 * K).astype(np.uint8)
-    with serving_apart(cfg) as srv_port, delaying_relay(srv_port, 0.0, drop=count) as port, \
-            Transport(TransportConfig(cfg, worker=0, aggregator=("127.0.0.1", port), timeout=0.2, min_timeout=0.2,
-                                      **kw)) as tr:
-        t0 = time.monotonic()
-        res = tr.exchange_indices(idx)
-        wall = time.monotonic() - t0
-    assert np.array_equal(res.sums, oracle(cfg, [idx], [0])) and not res.lost.any()
-    return seen, tr.stats, wall
 
 
 @pytest.mark.parametrize("gso", [False, True])
