@@ -1246,6 +1246,22 @@ def test_the_last_uses_of_an_exchange_go_twice(gso: bool) -> None:
         assert seen.tolist() == [1] * 16 and st.tail_duplicates == 0, (kw, seen, st)
 
 
+@pytest.mark.parametrize("gso", [False, True])
+def test_a_use_resent_with_the_last_new_use_gets_no_duplicate(gso: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 uses, two in flight at a time; the first send of use 13 is lost. Use 14's answer shows it lost (RACK,
+    no reordering margin here) in the pass that sends the last new use, 15, and resends it there. Of the last
+    four uses (a quarter of the exchange) 12 and 14 are answered by then and 13 goes again as a resend: only 15
+    gets a duplicate, whether the pass sends one segmentation run or datagram by datagram."""
+    if gso and not gso_available(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)):
+        pytest.skip("the kernel has no UDP_SEGMENT (udp(7), Linux 4.18+)")
+    monkeypatch.setattr(Pacer, "reorder_margin", lambda self: 0.0)
+    sends_of_13, drop = _losing_first_sends(13, 1)
+    seen, st, _ = _sends_per_slot(JobConfig(workers=1, slots=16, elems=K), drop, delay=0.01, window=2,
+                                  initial_window=2, gso=gso)
+    assert seen[15] == 2 and st.tail_duplicates == 1 and st.early_retransmissions == 1, (seen, st)
+    assert len(sends_of_13) >= 2, sends_of_13
+
+
 def test_a_request_lost_among_the_last_uses_is_completed_by_its_duplicate() -> None:
     """The first send of use 14 of 16 is lost. Its duplicate, sent with it (uses 12..15 go twice: a quarter of
     the exchange, fewer than ``TAIL_DUPLICATES``), completes it: nothing is resent, no tail probe, and the

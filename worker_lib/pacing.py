@@ -185,8 +185,9 @@ BURST_RUN = 10
 #: Open uses a tail probe resends at most, the last sent; and the least silence before it, seconds.
 PROBE_USES = 8
 PROBE_MIN_S = 0.002
-#: The last uses of a data exchange sent twice, back to back ("Tail duplicates"; ``TransportConfig.tail_duplicates``):
-#: about one least round trip of answers on the aggregator's link in DDP steps at 1 Gbit/s.
+#: The last uses of a data exchange sent twice, the copies with its last new uses ("Tail duplicates";
+#: ``TransportConfig.tail_duplicates``): about one least round trip of answers on the aggregator's link in DDP
+#: steps at 1 Gbit/s.
 TAIL_DUPLICATES = 32
 
 

@@ -143,9 +143,9 @@ class TransportConfig:
     gro: bool = True
     #: send a run of new uses as one UDP GSO datagram (UDP_SEGMENT) where the kernel has it
     gso: bool = True
-    #: the last this many uses of a data exchange go out twice, back to back (reliable policy; pacing.py,
-    #: "Tail duplicates"; at most a quarter of the exchange's uses, at least one): a request lost in an
-    #: exchange's last round trip costs no recovery; 0 turns it off
+    #: the last this many uses of a data exchange go out twice, the copies with its last new uses (reliable
+    #: policy; pacing.py, "Tail duplicates"; at most a quarter of the exchange's uses, at least one): a request
+    #: lost in an exchange's last round trip costs no recovery; 0 turns it off
     tail_duplicates: int = TAIL_DUPLICATES
     drop_up: float = 0.0  #: simulated loss of sent packets (seeded, for tests and experiments)
     drop_down: float = 0.0  #: simulated loss of received packets
@@ -888,7 +888,9 @@ class Transport:
             dups = _NO_USES
             if early and n and nxt + n == count and cfg.tail_duplicates:
                 lo = max(base, count - min(cfg.tail_duplicates, max(1, count // 4)))
-                dups = np.setdiff1d(np.flatnonzero(~done[lo:count]) + lo, again, assume_unique=True)
+                # not the uses this pass sends again (``again`` holds them only when they go in the run)
+                dups = np.setdiff1d(np.flatnonzero(~done[lo:count]) + lo, np.concatenate([due, copies]),
+                                    assume_unique=True)
                 self.stats.tail_duplicates += int(dups.size)
             if runs_of_block and (n or again):
                 # one system call for all (a copy only with resends or duplicates: C-contiguous, as sendmsg
