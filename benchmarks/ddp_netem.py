@@ -117,7 +117,7 @@ def measure(net: Topology, run: Run, job: int, args: argparse.Namespace, agg_pid
     hook = s["hook"][0]
     steps = s["steps"]
     per = hook.get("per_timed_step", {})  # the hook's counters over the timed steps, per step
-    per = {k: per.get(k, 0.0) for k in ("encode_s", "network_s", "decode_s", "cpu_s", "bytes_sent")}
+    per = {k: per.get(k, 0.0) for k in ("encode_s", "network_s", "decode_s", "cpu_s", "wait_s", "bytes_sent")}
     sent = per["bytes_sent"]  # payload bytes one worker sends per step
     down = down_bytes(sent, run.mode, args)  # payload bytes the aggregator's link carries per step
     return {"rate_mbit": run.rate_mbit, "mode": run.mode, "loss": run.loss, "workers": s["world_size"],
@@ -136,6 +136,7 @@ def measure(net: Topology, run: Run, job: int, args: argparse.Namespace, agg_pid
             "window_bound_s": hook.get("transport_window_bound_s", 0.0) / steps,
             "tail_s": hook.get("transport_tail_s", 0.0) / steps, "step_marks": s.get("step_marks", []),
             "worker_cpu_s": hook.get("process_cpu_s", 0.0), "hook_cpu_s": per["cpu_s"],
+            "hook_wait_s": per["wait_s"],
             "transport": {k[len("transport_"):]: v for k, v in hook.items() if k.startswith("transport_")},
             "datagrams_per_batch": hook.get("transport_datagrams_received", 0) / max(1, hook.get(
                 "transport_receive_batches", 0))}
@@ -260,7 +261,8 @@ def report(rows: list[dict]) -> None:
     print(f"\nDDP on an emulated network: {rows[0]['workers']} workers, {rows[0]['parameters']:,} parameters, "
           f"each node and the aggregator in its own namespace, links shaped by tc (both directions){beside}")
     print(f"{'rate':>8} {'loss':>5} {'mode':<12} {'step ms':>8} {'x gloo':>7} {'samples/s':>9} | {'fwd':>6} {'bwd':>7} "
-          f"{'encode':>7} {'network':>8} {'decode':>7} {'agg cpu':>8} {'wrk cpu':>8} {'link up':>8} {'link dn':>8} "
+          f"{'encode':>7} {'network':>8} {'decode':>7} {'agg cpu':>8} {'wrk cpu':>8} {'wait':>5} {'link up':>8} "
+          f"{'link dn':>8} "
           f"{'MB up':>6} "
           f"{'retx':>5} same")
     for r in rows:
@@ -269,16 +271,18 @@ def report(rows: list[dict]) -> None:
               f"{(r['step_s'] / ratio if ratio else float('nan')):7.2f} {r['samples_per_s']:9.1f} | "
               f"{r['forward_s'] * 1e3:6.1f} {r['backward_s'] * 1e3:7.1f} {r['hook_encode_s'] * 1e3:7.1f} "
               f"{r['hook_network_s'] * 1e3:8.1f} {r['hook_decode_s'] * 1e3:7.1f} {r['aggregator_cpu_s'] * 1e3:8.1f} "
-              f"{r['worker_cpu_s'] * 1e3:8.1f} {r['link_up_s'] * 1e3:8.1f} {r['link_down_s'] * 1e3:8.1f} "
+              f"{r['worker_cpu_s'] * 1e3:8.1f} {r.get('hook_wait_s', math.nan) * 1e3:5.1f} "
+              f"{r['link_up_s'] * 1e3:8.1f} {r['link_down_s'] * 1e3:8.1f} "
               f"{r['payload_bytes_up'] / 1e6:6.2f} "
               f"{r['retransmissions']:>5} "
               f"{r['identical']}")
     print("(ms per step; 'x gloo' = step time / gloo's on the same links (same rate, loss and repeat); fwd/bwd "
           "from the training loop, backward includes waiting for the exchange; encode/network/decode: the hook's "
           "thread (THC quantizes beside its data exchange: in network); agg cpu: aggregator CPU time per step; "
-          "wrk cpu: rank 0's process CPU time per step (all its threads); link up: one worker's DATA payload at "
-          "the link rate; link dn: the results on the aggregator's link at that rate (n copies by unicast, one by "
-          "multicast): the step's wire floor is the larger of the two. gloo's traffic is not counted.)")
+          "wrk cpu: rank 0's process CPU time per step (all its threads); wait: the time per step its hook's "
+          "thread was ready to run but had no CPU (nan where the kernel does not say); link up: one worker's DATA "
+          "payload at the link rate; link dn: the results on the aggregator's link at that rate (n copies by "
+          "unicast, one by multicast): the step's wire floor is the larger of the two. gloo's traffic is not counted.)")
     ratio_report(rows)
     loss_report(rows)
 
@@ -347,13 +351,15 @@ def phase_report(rows: list[dict], warmup: int) -> None:
           "interval's top is within the longer of the two, missed when its bottom is above it; "
           "where the extra goes, medians over the pairs, lossy minus lossless per step: tail, an exchange's time after "
           "its last new use; slots, sending stopped behind the oldest open use's slot; window, sending stopped by "
-          "a full window; the hook's encode, network and decode phases; the CPU of rank 0's hook thread, of its "
-          "whole process and of the aggregator; probes: rank 0's tail probes per lossy step, the losses at an "
+          "a full window; the hook's encode, network and decode phases; the CPU of rank 0's hook thread, the time "
+          "that thread was ready to run but had no CPU (wait), the CPU of rank 0's whole process and of the "
+          "aggregator; probes: rank 0's tail probes per lossy step, the losses at an "
           "exchange's end that only silence showed)")
     print(f"{'rate':>8} {'loss':>5} {'mode':<12} {'pairs':>5} {'lossless':>9} {'lossy':>9} {'extra ms':>9} "
           f"{'90 % interval':>15} {'resent ms (rank 0)':>18} {'answered again ms':>17} {'verdict':<9} | "
           f"{'tail':>5} {'slots':>6} {'window':>6} "
-          f"{'encode':>6} {'network':>7} {'decode':>6} {'hookcpu':>7} {'cpu':>6} {'aggcpu':>6} {'probes':>6}")
+          f"{'encode':>6} {'network':>7} {'decode':>6} {'hookcpu':>7} {'wait':>5} {'cpu':>6} {'aggcpu':>6} "
+          f"{'probes':>6}")
     for rate, mode, pct in sorted({(r["rate_mbit"], r["mode"], r["loss"]) for r in rows}):
         same = [r for r in rows if (r["rate_mbit"], r["mode"], r["loss"]) == (rate, mode, pct)]
         cmp = compare_phases([(r["step_marks"], r["switches"], warmup) for r in same])
@@ -370,7 +376,7 @@ def phase_report(rows: list[dict], warmup: int) -> None:
               f"{again_text:>17} {cmp.verdict(size, rate, answer):<9} | "
               + " ".join(f"{cmp.grown.get(k, math.nan) * 1e3:{w}.1f}" for k, w in (
                   ("tail_s", 5), ("slot_bound_s", 6), ("window_bound_s", 6), ("encode_s", 6), ("network_s", 7),
-                  ("decode_s", 6), ("hook_cpu_s", 7), ("cpu_s", 6), ("aggregator_cpu_s", 6)))
+                  ("decode_s", 6), ("hook_cpu_s", 7), ("hook_wait_s", 5), ("cpu_s", 6), ("aggregator_cpu_s", 6)))
               + f" {cmp.probes_per_step:6.2f}")
 
 

@@ -95,9 +95,10 @@ class LossPhases:
 
 #: The running counters of a step mark compared between phases, by their names in
 #: ``examples/train_ddp.py``'s ``step_marks`` (the first two, rank 0's resends and every rank's, also give
-#: ``resent_per_step`` and ``resent_all_per_step``).
+#: ``resent_per_step`` and ``resent_all_per_step``). A counter that a run's marks lack (runs recorded before it
+#: was added) reads nan.
 COUNTERS = ("retransmissions", "retransmissions_all", "tail_s", "slot_bound_s", "window_bound_s", "encode_s",
-            "network_s", "decode_s", "hook_cpu_s", "cpu_s", "tail_probes")
+            "network_s", "decode_s", "hook_cpu_s", "hook_wait_s", "cpu_s", "tail_probes")
 
 
 def steps_by_phase(marks: list[dict[str, float]], switches: list[Switch],
@@ -108,8 +109,8 @@ def steps_by_phase(marks: list[dict[str, float]], switches: list[Switch],
     phases: list[list[tuple[float, ...]]] = [[] for _ in switches]
     for i in range(warmup, len(marks)):
         start, end = marks[i]["start"], marks[i]["end"]
-        now = [marks[i][k] for k in COUNTERS]
-        before = [marks[i - 1][k] for k in COUNTERS] if i else [0] * len(now)
+        now = [marks[i].get(k, math.nan) for k in COUNTERS]  # nan: a counter the run did not record
+        before = [marks[i - 1].get(k, math.nan) for k in COUNTERS] if i else [0] * len(now)
         for j, sw in enumerate(switches):
             nxt = switches[j + 1].before if j + 1 < len(switches) else float("inf")
             if sw.after <= start and end <= nxt:

@@ -217,7 +217,8 @@ STEP_COUNTERS = (("retransmissions", "transport", "retransmissions"), ("tail_s",
                  ("tail_probes", "transport", "tail_probes"),
                  ("slot_bound_s", "transport", "slot_bound_s"), ("window_bound_s", "transport", "window_bound_s"),
                  ("encode_s", "hook", "encode_s"), ("network_s", "hook", "network_s"),
-                 ("decode_s", "hook", "decode_s"), ("hook_cpu_s", "hook", "cpu_s"))
+                 ("decode_s", "hook", "decode_s"), ("hook_cpu_s", "hook", "cpu_s"),
+                 ("hook_wait_s", "hook", "wait_s"))
 
 
 def step_counters(state: THCHookState | None) -> dict[str, float]:

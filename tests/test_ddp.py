@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.loss_phases import COUNTERS
 from launchers.aggregator_process import listening_port
-from worker_lib.ddp import DDPHookConfig, THCHookState, settings_disagree
+from worker_lib.ddp import DDPHookConfig, THCHookState, settings_disagree, thread_wait_s
 from worker_lib.job import JobConfig
 from worker_lib.wire.pcap import read_pcap
 
@@ -294,6 +294,45 @@ def test_hook_dtypes_one_worker(one_worker: OneWorkerJobs, dtype: torch.dtype) -
             nmse = float(((out.float() - grad) ** 2).sum() / (grad ** 2).sum())
             assert nmse < tol, (kind, nmse)
             assert st.stats.buckets == 1 and st.stats.coordinates == grad.numel()
+            # every wake-up of the exchange thread waits a little for a CPU (where the kernel keeps count)
+            assert st.stats.wait_s > 0 or math.isnan(thread_wait_s()), st.stats
+
+
+_CONTENDED = """
+import os, sys, time
+from worker_lib.ddp import thread_wait_s
+cpu = min(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {cpu})
+child = os.fork()
+if child == 0:  # a busy peer on the same CPU at the default priority
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:
+        pass
+    os._exit(0)
+time.sleep(0.05)
+os.setpriority(os.PRIO_PROCESS, 0, 19)  # this thread yields to it
+w0, c0, t0 = thread_wait_s(), time.thread_time(), time.monotonic()
+while time.monotonic() - t0 < 0.6:
+    pass
+print(thread_wait_s() - w0, time.thread_time() - c0)
+os.kill(child, 9)
+"""
+
+
+def test_thread_wait_is_the_time_without_a_cpu() -> None:
+    """A thread at nice 19 that spins for 0.6 s on one CPU beside a busy process at nice 0 gets a few percent
+    of it: most of the 0.6 s it waits, ready, for the CPU, and that is what ``thread_wait_s`` counts (not its
+    CPU time, which is small); a sleeping thread waits for nothing."""
+    if math.isnan(thread_wait_s()):
+        pytest.skip("this kernel keeps no /proc/thread-self/schedstat (CONFIG_SCHED_INFO)")
+    out = subprocess.run([sys.executable, "-c", _CONTENDED], capture_output=True, text=True, timeout=30,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    waited, cpu = map(float, out.stdout.split())
+    assert waited > 0.4 and cpu < 0.2, (waited, cpu)
+    w0 = thread_wait_s()
+    time.sleep(0.3)
+    assert thread_wait_s() - w0 < 0.1
 
 
 def test_error_feedback_survives_bucket_rebuild(one_worker: OneWorkerJobs) -> None:

@@ -39,7 +39,19 @@ def _mark(start: float, end: float, resent: int, tail: float = 0.0, resent_all: 
     return {"start": start, "end": end, "retransmissions": resent,
             "retransmissions_all": 2 * resent if resent_all is None else resent_all, "tail_s": tail,
             "slot_bound_s": 0.0, "window_bound_s": 0.0, "encode_s": 0.0, "network_s": 0.0, "decode_s": 0.0,
-            "hook_cpu_s": 0.0, "cpu_s": 0.0, "tail_probes": probes, "not_compared": 99.0}
+            "hook_cpu_s": 0.0, "hook_wait_s": 0.0, "cpu_s": 0.0, "tail_probes": probes, "not_compared": 99.0}
+
+
+def test_a_counter_a_run_did_not_record_reads_nan() -> None:
+    """Marks written before a counter existed (here hook_wait_s) still compare: that counter is nan, the
+    others are read as before."""
+    marks = [_mark(0.30, 0.60, 5, 0.5), _mark(1.20, 1.50, 19, 0.625)]
+    for m in marks:
+        del m["hook_wait_s"]
+    phases = steps_by_phase(marks, _switches(0.0, 1.0), warmup=0)
+    step = phases[1][0]
+    assert math.isnan(step[1 + COUNTERS.index("hook_wait_s")])
+    assert step[:4] == pytest.approx((0.30, 14, 28, 0.125))
 
 
 def test_steps_are_assigned_to_the_phase_they_ran_in_wholly() -> None:

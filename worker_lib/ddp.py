@@ -194,11 +194,26 @@ class HookStats:
     network_s: float = 0.0  #: norm stage and data exchange with the aggregator (incl. waiting for peers)
     decode_s: float = 0.0  #: the rest: decoding the average, error bookkeeping, copy back into the bucket
     cpu_s: float = 0.0  #: CPU time of the exchange thread over all of the above (the rest of the time it waits)
+    #: of that waiting, the time the thread was ready to run but had no CPU (``thread_wait_s``): what a busy
+    #: machine adds to the hook; nan where the kernel keeps no such account
+    wait_s: float = 0.0
     lost_chunks: int = 0
     bytes_sent: int = 0  #: payload bytes of DATA packets (headers excluded)
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
+
+
+def thread_wait_s() -> float:
+    """Seconds the calling thread has spent ready to run but waiting for a CPU (its run-queue delay, the
+    second field of Linux's ``/proc/thread-self/schedstat``), or nan where the kernel does not keep it.
+    Unlike ``time.thread_time``, this is time the thread lost to others: on a machine short of cores it
+    is how late the exchange answers what the network brought."""
+    try:
+        with open("/proc/thread-self/schedstat", encoding="ascii") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return math.nan
 
 
 @dataclass
@@ -367,7 +382,7 @@ class THCHookState:
     def _average(self, buffer: torch.Tensor, index: int, params: tuple[int, ...], sizes: list[int], step: int,
                  last: bool) -> None:
         cfg, st = self.config, self.stats
-        t0, cpu0 = time.perf_counter(), time.thread_time()
+        t0, cpu0, wait0 = time.perf_counter(), time.thread_time(), thread_wait_s()
         busy = st.encode_s + st.network_s
         flat = buffer.detach().reshape(-1)
         if cfg.job.kind == "uncompressed":
@@ -378,6 +393,7 @@ class THCHookState:
             buffer.copy_(avg.reshape(buffer.shape).to(buffer.dtype))
         st.decode_s += time.perf_counter() - t0 - (st.encode_s + st.network_s - busy)  # the rest of the bucket's time
         st.cpu_s += time.thread_time() - cpu0
+        st.wait_s += thread_wait_s() - wait0
         st.buckets += 1
         st.coordinates += flat.numel()
         if last:
