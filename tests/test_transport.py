@@ -789,11 +789,12 @@ def test_a_late_peer_costs_one_probe_per_timeout(stale: bool) -> None:
     assert np.array_equal(res.sums, want) and np.array_equal(out["w1"].sums, want)
 
 
-def exchange_with_a_stalling_peer(stall_after: int) -> np.ndarray:
+def exchange_with_a_stalling_peer(stall_after: int, samples: list[float] | None = None) -> np.ndarray:
     """Worker 1 stops for 0.3 s after its ``stall_after``-th use of an exchange of 2 x 64 uses (its
     thread not scheduled, as on shared cores), while worker 0, which knows the round trip from an exchange
     before, has a window of later uses in flight. Returns how many datagrams worker 0 sent per slot in that
-    exchange (datagram by datagram, gso=False, to see each one). Exact."""
+    exchange (datagram by datagram, gso=False, to see each one); ``samples`` gets the round trips worker 0's
+    pacer was taught in it. Exact."""
     cfg = JobConfig(workers=2, slots=64, elems=K)
     sent: list[int] = []
 
@@ -833,6 +834,9 @@ def exchange_with_a_stalling_peer(stall_after: int) -> np.ndarray:
         th = threading.Thread(target=lambda: out.__setitem__("w1", t1.exchange_indices(idx[1])))
         th.start()
         t0.recording = True
+        if samples is not None:
+            taught = t0.pacer.sample_many
+            t0.pacer.sample_many = lambda rtts: (samples.extend(map(float, rtts)), taught(rtts))  # type: ignore[method-assign]
         res = t0.exchange_indices(idx[0])
         th.join(10)
     want = oracle(cfg, idx, [0, 1])
@@ -852,6 +856,18 @@ def test_a_peer_that_stalls_mid_exchange_costs_one_probe_per_timeout() -> None:
     others = np.delete(per_slot, 40)
     assert (per_slot >= 2).all() and per_slot[40] > 3 and others.max() <= 4, per_slot
     assert np.count_nonzero(others > 2) <= 64 // 4, per_slot
+
+
+def test_uses_in_flight_across_a_stall_teach_no_round_trip() -> None:
+    """Worker 1 stalls 0.3 s after its 40th use: worker 0's uses in flight then are answered 0.3 s after
+    their sends, on their first send. Those round trips measured the stall, not the path, and worker 0's
+    pacer is not taught them; the uses it sends after the path speaks again are. (Taught, a burst of them
+    made the lower quartile, hence every timeout, the stall's length: in a loopback run at 10 % loss each
+    way, one worker's timeout reached the 2 s ceiling after its peer's stall, and the other three waited
+    for its oldest use for 2 s: 3.3 s against 0.3 s at the median.)"""
+    samples: list[float] = []
+    exchange_with_a_stalling_peer(40, samples)
+    assert samples and max(samples) < 0.15, sorted(samples)[-5:]
 
 
 def test_a_peer_that_stalls_at_the_end_of_an_exchange_costs_one_probe_per_timeout() -> None:

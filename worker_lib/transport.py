@@ -651,6 +651,8 @@ class Transport:
         # receive) can all come before an exchange's last sends, and nothing is heard after those.
         heard_before = np.zeros(count, bool)
         started = last_answer
+        spoke_before = last_answer  # the latest answer before those ``receive`` is taking now
+        spoke_again = -math.inf  # when the path last spoke after a silence longer than a timeout
 
         probed_for = -math.inf  # last_answer when the tail was last probed, or found with nothing to probe
 
@@ -725,7 +727,7 @@ class Transport:
             """Record the uses ``finished`` (marked done, in the order answered) as answered at
             ``last_answer``: the pacer's round trips and window, RACK's latest answered use, the counters.
             Returns the earliest (last) send among them."""
-            nonlocal rack_sent, rack_use, rack_rtt, rack_above
+            nonlocal rack_sent, rack_use, rack_rtt, rack_above, spoke_again
             if paced:
                 again = tries[finished] > 0
                 if again.any():
@@ -733,7 +735,17 @@ class Transport:
                 clean = finished[~again]
                 if clean.size:
                     at = sent_at[clean]
-                    self.pacer.sample_many(last_answer - at)
+                    # A use in flight across a silence of the path (no answer for a whole timeout) measured
+                    # the silence: a peer stalled or recovering, the aggregator behind. Its sample would raise
+                    # every timeout and slow this worker's own recovery, which stalls the others in turn
+                    # (pacing.py, "Timeout"): only uses sent after the path spoke again count. (Shorter
+                    # silences, a thread descheduled on a shared core, leave the samples as they are: without
+                    # them the timeouts of a DDP step under 1 % loss fell short and probes tripled.)
+                    if last_answer - spoke_before > self.pacer.base_rto():
+                        spoke_again = last_answer
+                    measured = at[at >= spoke_again]
+                    if measured.size:
+                        self.pacer.sample_many(last_answer - measured)
                     latest_at = float(at.max())  # the latest send, and the latest use of that send
                     latest = int(clean[at == latest_at].max())
                     if (latest_at, latest) > (rack_sent, rack_use):
@@ -759,8 +771,8 @@ class Transport:
         def receive(socks: list[socket.socket]) -> None:
             """Take every answer waiting on ``socks`` (each read until it is empty): mark the uses it
             finishes, feed the pacer, and restart the timers of the uses the path has spoken since."""
-            nonlocal last_answer, last_datagram
-            heard = last_answer
+            nonlocal last_answer, last_datagram, spoke_before
+            heard = spoke_before = last_answer
             progress = math.inf  # the earliest (last) send of a use answered now
             for sock in socks:
                 while True:
