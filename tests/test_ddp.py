@@ -294,8 +294,18 @@ def test_hook_dtypes_one_worker(one_worker: OneWorkerJobs, dtype: torch.dtype) -
             nmse = float(((out.float() - grad) ** 2).sum() / (grad ** 2).sum())
             assert nmse < tol, (kind, nmse)
             assert st.stats.buckets == 1 and st.stats.coordinates == grad.numel()
-            # every wake-up of the exchange thread waits a little for a CPU (where the kernel keeps count)
-            assert st.stats.wait_s > 0 or math.isnan(thread_wait_s()), st.stats
+
+
+def test_the_hook_adds_up_its_threads_wait_per_bucket(one_worker: OneWorkerJobs,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``HookStats.wait_s`` is the exchange thread's run-queue delay over each bucket, the difference of two
+    readings of ``thread_wait_s`` (here a clock that reads 0.25 s more each time): two buckets, 0.5 s."""
+    readings = itertools.count()
+    monkeypatch.setattr("worker_lib.ddp.thread_wait_s", lambda: 0.25 * next(readings))
+    with one_worker.state("thc") as st:
+        for _ in range(2):
+            st.submit(FakeBucket(0, _params(3000), last=True)).wait()
+        assert st.stats.buckets == 2 and st.stats.wait_s == 0.5, st.stats
 
 
 _CONTENDED = """
