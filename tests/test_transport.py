@@ -1242,7 +1242,7 @@ def test_a_resend_in_the_run_of_the_last_new_uses_gets_a_second_copy(monkeypatch
 
 
 @pytest.mark.parametrize("gso", [False, True])
-def test_the_last_uses_of_an_exchange_go_twice(gso: bool) -> None:
+def test_the_last_uses_of_an_exchange_go_twice(gso: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``tail_duplicates=3``, the last 3 of 16 uses go out twice, with their first copies, and every
     other use once; the copies are counted apart from retransmissions (nothing was lost). With the default
     (32), a quarter of them: a short exchange is all tail. Under zero-fill, whose workers keep to one fixed
@@ -1250,8 +1250,10 @@ def test_the_last_uses_of_an_exchange_go_twice(gso: bool) -> None:
     if gso and not gso_available(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)):
         pytest.skip("the kernel has no UDP_SEGMENT (udp(7), Linux 4.18+)")
     cfg = JobConfig(workers=1, slots=16, elems=K)
-    # nothing is lost: a timer that fires is a stalled relay or aggregator, not the mechanism under test
+    # nothing is lost: a timer that fires, or a tail probe after a silence of a few ms (the aggregator
+    # descheduled on a loaded machine: it resent the last 8 uses in one CI run), is not the mechanism under test
     slow = {"timeout": 2.0, "min_timeout": 2.0}
+    monkeypatch.setattr(Pacer, "probe_gap", lambda self: 2.0)
     seen, st, _ = _sends_per_slot(cfg, tail_duplicates=3, gso=gso, **slow)
     assert seen.tolist() == [1] * 13 + [2] * 3, seen
     assert (st.tail_duplicates, st.retransmissions, st.packets_sent) == (3, 0, 19), st
