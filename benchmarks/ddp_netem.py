@@ -271,7 +271,7 @@ def report(rows: list[dict]) -> None:
               f"{(r['step_s'] / ratio if ratio else float('nan')):7.2f} {r['samples_per_s']:9.1f} | "
               f"{r['forward_s'] * 1e3:6.1f} {r['backward_s'] * 1e3:7.1f} {r['hook_encode_s'] * 1e3:7.1f} "
               f"{r['hook_network_s'] * 1e3:8.1f} {r['hook_decode_s'] * 1e3:7.1f} {r['aggregator_cpu_s'] * 1e3:8.1f} "
-              f"{r['worker_cpu_s'] * 1e3:8.1f} {r.get('hook_wait_s', math.nan) * 1e3:5.1f} "
+              f"{r['worker_cpu_s'] * 1e3:8.1f} {r['hook_wait_s'] * 1e3:5.1f} "
               f"{r['link_up_s'] * 1e3:8.1f} {r['link_down_s'] * 1e3:8.1f} "
               f"{r['payload_bytes_up'] / 1e6:6.2f} "
               f"{r['retransmissions']:>5} "

@@ -651,7 +651,6 @@ class Transport:
         # receive) can all come before an exchange's last sends, and nothing is heard after those.
         heard_before = np.zeros(count, bool)
         started = last_answer
-        spoke_before = last_answer  # the latest answer before those ``receive`` is taking now
         spoke_again = -math.inf  # when the path last spoke after a silence longer than a timeout
 
         probed_for = -math.inf  # last_answer when the tail was last probed, or found with nothing to probe
@@ -723,26 +722,26 @@ class Transport:
         # when a tail resend's second copy is due (pacing.py, "Tail copies"); only once every new use is out
         copy_at = np.full(count, math.inf)
 
-        def answered(finished: np.ndarray, sock: socket.socket) -> float:
+        def answered(finished: np.ndarray, sock: socket.socket, heard: float) -> float:
             """Record the uses ``finished`` (marked done, in the order answered) as answered at
-            ``last_answer``: the pacer's round trips and window, RACK's latest answered use, the counters.
-            Returns the earliest (last) send among them."""
+            ``last_answer``, the path's previous answer having come at ``heard``: the pacer's round trips and
+            window, RACK's latest answered use, the counters. Returns the earliest (last) send among them."""
             nonlocal rack_sent, rack_use, rack_rtt, rack_above, spoke_again
             if paced:
+                # A use in flight across a silence of the path (no answer for a whole timeout) measured
+                # the silence: a peer stalled or recovering, the aggregator behind. Its sample would raise
+                # every timeout and slow this worker's own recovery, which stalls the others in turn
+                # (pacing.py, "Timeout"): only uses sent after the path spoke again count. (Shorter
+                # silences, a thread descheduled on a shared core, leave the samples as they are: without
+                # them the timeouts of a DDP step under 1 % loss fell short and probes tripled.)
+                if last_answer - heard > self.pacer.base_rto():
+                    spoke_again = last_answer
                 again = tries[finished] > 0
                 if again.any():
                     rack_above = max(rack_above, int(finished[again].max()))
                 clean = finished[~again]
                 if clean.size:
                     at = sent_at[clean]
-                    # A use in flight across a silence of the path (no answer for a whole timeout) measured
-                    # the silence: a peer stalled or recovering, the aggregator behind. Its sample would raise
-                    # every timeout and slow this worker's own recovery, which stalls the others in turn
-                    # (pacing.py, "Timeout"): only uses sent after the path spoke again count. (Shorter
-                    # silences, a thread descheduled on a shared core, leave the samples as they are: without
-                    # them the timeouts of a DDP step under 1 % loss fell short and probes tripled.)
-                    if last_answer - spoke_before > self.pacer.base_rto():
-                        spoke_again = last_answer
                     measured = at[at >= spoke_again]
                     if measured.size:
                         self.pacer.sample_many(last_answer - measured)
@@ -771,8 +770,8 @@ class Transport:
         def receive(socks: list[socket.socket]) -> None:
             """Take every answer waiting on ``socks`` (each read until it is empty): mark the uses it
             finishes, feed the pacer, and restart the timers of the uses the path has spoken since."""
-            nonlocal last_answer, last_datagram, spoke_before
-            heard = spoke_before = last_answer
+            nonlocal last_answer, last_datagram
+            heard = last_answer
             progress = math.inf  # the earliest (last) send of a use answered now
             for sock in socks:
                 while True:
@@ -787,7 +786,7 @@ class Transport:
                         if pending:
                             last_answer = time.monotonic()
                         if taken:
-                            progress = min(progress, answered(finished[:taken], sock))
+                            progress = min(progress, answered(finished[:taken], sock, heard))
                         continue
                     hv = header_view(rows)
                     mine = (lens >= HEADER_BYTES) & (hv["job"] == p.job) & (hv["key"] == p.key)
@@ -834,7 +833,7 @@ class Transport:
                         continue
                     done[finished] = True
                     use_of_slot[slots[finished]] = -1
-                    progress = min(progress, answered(finished, sock))
+                    progress = min(progress, answered(finished, sock, heard))
             if last_answer > heard:  # the path spoke: the timers of the uses sent before start now
                 since = heard_since[base:nxt]
                 at = sent_at[base:nxt]
