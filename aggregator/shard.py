@@ -26,7 +26,7 @@ from aggregator.dar import DarAggregator, DarOutputs
 from aggregator.engine import Aggregator, Outputs
 from worker_lib.batch_io import BatchSocket, sockaddr_in, sockaddr_to_tuple, udp_socket
 from worker_lib.job import JobConfig
-from worker_lib.wire.layout import PacketType
+from worker_lib.wire.layout import MAX_WORKERS, PacketType
 from worker_lib.wire.protocol import Counter, DarCounter
 
 if TYPE_CHECKING:
@@ -46,6 +46,10 @@ def _any_dar(rx: np.ndarray, lens: np.ndarray, n: int) -> bool:
         if rx[i, 1] == _DAR_DATA and lens[i] >= 2:
             return True
     return False
+
+
+#: row 0 of the engine's outputs, once per destination of a one-output send (a job's workers or its group)
+_FIRST_ROW = np.zeros(MAX_WORKERS, np.int64)
 
 
 @njit(cache=True, nogil=True)
@@ -326,10 +330,11 @@ class Shard:
         """Send the engine's outputs: completions to the job's destinations, answers to their senders;
         ``rx_rows[i]`` is the rx row of the engine's input row i."""
         m = out.count
-        if m == 1 and out.fanout[0]:  # one completion: its destinations straight to the socket
-            dests = self._destinations(int(out.job[0]), int(rx_rows[out.src[0]]))
+        if m == 1:  # one output: a completion to its destinations, or an answer (a lone resend's) to its sender,
+            row = int(rx_rows[out.src[0]])  # straight to the socket (the general path below costs 10 us more)
+            dests = self._destinations(int(out.job[0]), row) if out.fanout[0] else self.io.rx_addr[row:row + 1]
             if dests is not None:
-                rows = np.zeros(len(dests), np.int64)
+                rows = _FIRST_ROW[:len(dests)]
                 lengths = out.length[rows]
                 self.io.send(out.buf, rows, lengths, dests)
                 self._pcap_sent(out.buf, rows, dests, lengths)

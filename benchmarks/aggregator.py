@@ -17,14 +17,22 @@
    recompress codecs (``DarAggregator.process`` on the n workers' fragments: reassembly, then
    decode + float sum + re-encode, whose share the ``cpu_ns`` counter gives), at n = 2, 4, 8, with
    the ratios DAR / THC. Torch runs on one thread, like the numpy THC path; no I/O is timed.
+4. ``--lone``: what a datagram that arrives alone costs the aggregator's loop (``Shard.step`` in process on
+   a loopback socket: the wait, the receive, the state table, the sends), by what it causes: nothing (a
+   worker's first request of a round), a completion answered to both workers of a 2-worker job, an answer
+   from the retained result (a resend after the completion). The last is what each recovered loss costs it,
+   and the first two what a resend that reaches an open round, or completes it, costs: under loss they come
+   one at a time, between the runs of first sends. Medians of ``--lone-rounds`` of each, interleaved.
 
     python benchmarks/aggregator.py [--seconds 3] [--elems 256,1024,8192] [--skip-allreduce] [--json]
     python benchmarks/aggregator.py --cost [--cost-dim 262144] [--cost-rounds 3] [--json]
+    python benchmarks/aggregator.py --lone [--lone-rounds 3000] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -323,6 +331,59 @@ def aggregator_cost(d: int, workers: tuple[int, ...] = (2, 4, 8),
     return res
 
 
+LONE_CASES = ("first request", "completion", "retained answer")
+
+
+def lone_costs(rounds: int) -> dict[str, float]:
+    """Microseconds of ``Shard.step`` per lone datagram, medians over ``rounds`` rounds of a 2-worker job (1,440
+    4-bit indices per packet, the DDP benchmark's), by ``LONE_CASES``: worker 0's request, worker 1's (which
+    completes the round), worker 0's again (answered from the retained result). Raises RuntimeError when the
+    shard did not do what each case says (its counters, the answers that came back)."""
+    from aggregator.metrics import StatsLine
+    from aggregator.server import AggregatorServer, ServerConfig
+    from aggregator.shard import Shard
+    from worker_lib.wire.protocol import Counter
+
+    job = JobConfig(job=1, workers=2, bits=4, slots=512)
+    cfg = ServerConfig(port=0, jobs=[job])
+    server = AggregatorServer(cfg, out=lambda _line: None)
+    shard = Shard(cfg, server.socks[0], 0, server.jobs, server.counters[0], server.dar_counters[0])
+    stats = StatsLine(cfg.stats_interval, server.counters, server.dar_counters, server.out)
+    workers = [udp_socket("127.0.0.1", 0) for _ in range(2)]
+    here = ("127.0.0.1", server.port)
+    use = np.arange(rounds)
+    requests = [build_batch(job.request_fields(PacketType.DATA, worker=w, slot=use % job.slots, round=use // job.slots,
+                                               tensor=0, chunk=use), np.zeros((rounds, job.data_bytes), np.uint8))
+                for w in range(2)]
+    took = np.zeros((len(LONE_CASES), rounds))
+    answers = [0, 0]
+    try:
+        for r in range(rounds):
+            for case, w in enumerate((0, 1, 0)):
+                workers[w].sendto(requests[w][r], here)
+                t0 = time.perf_counter()
+                while not shard.step(1.0):  # the datagram is on its way through loopback
+                    pass
+                server._apply_job_changes(shard.set_jobs)  # the rest of the serving loop's turn
+                stats.tick()
+                took[case, r] = time.perf_counter() - t0
+            for w, sock in enumerate(workers):
+                with contextlib.suppress(BlockingIOError):
+                    while sock.recv(65536):
+                        answers[w] += 1
+        done, again = (int(server.counters[0][c]) for c in (Counter.COMPLETED, Counter.RETAINED))
+        if (done, again) != (rounds, rounds):
+            raise RuntimeError(f"lone datagrams: {done} completions and {again} retained answers for {rounds} rounds")
+        if answers != [2 * rounds, rounds]:  # worker 0: each completion and each retained answer
+            raise RuntimeError(f"lone datagrams: the workers got {answers} answers for {rounds} rounds")
+    finally:
+        shard.close()
+        for sock in workers:
+            sock.close()
+    warm = rounds // 10  # the first rounds warm the caches and the branch predictors
+    return {name: float(np.median(took[k, warm:])) * 1e6 for k, name in enumerate(LONE_CASES)}
+
+
 TARGETS = ("reflector", "c_reflector", "aggregator", "aggregator_busy_poll", "aggregator_numpy",
            "aggregator_2_shards")
 
@@ -404,8 +465,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="d of the --cost rounds, 1..2^23 (default 2^18)")
     ap.add_argument("--cost-rounds", type=int_in(1, 1000), default=3,
                     help="rounds per point of --cost, 1..1000 (medians; default 3)")
+    ap.add_argument("--lone", action="store_true",
+                    help="only the aggregator's time per datagram that arrives alone: a first request, a completion, "
+                         "an answer from the retained result (a resend)")
+    ap.add_argument("--lone-rounds", type=int_in(10, 1_000_000), default=3000,
+                    help="rounds of each --lone case, 10..1000000 (medians; default 3000)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.lone:
+        lone = lone_costs(args.lone_rounds)
+        if args.json:
+            print(json.dumps(lone))
+            return 0
+        print(f"aggregator loop per lone datagram, medians of {args.lone_rounds} rounds (2 workers, K = 1440):")
+        for name, us in lone.items():
+            print(f"  {name:16s} {us:6.1f} us")
+        return 0
     if args.cost:
         res = aggregator_cost(args.cost_dim, rounds=args.cost_rounds)
         if args.json:

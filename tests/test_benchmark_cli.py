@@ -61,6 +61,7 @@ CASES = [
     ("aggregator", ["--dim", "0"], "--dim: must be in 1..268435456, got 0"),
     ("aggregator", ["--cost-dim", "99999999"], "--cost-dim: must be in 1..8388608"),
     ("aggregator", ["--cost-rounds", "0"], "--cost-rounds: must be in 1..1000, got 0"),
+    ("aggregator", ["--lone-rounds", "5"], "--lone-rounds: must be in 10..1000000, got 5"),
     # benchmarks.nmse_table
     ("nmse_table", ["--dim", "-1"], "--dim: must be in 1..268435456, got -1"),
     ("nmse_table", ["--trials", "-1"], "--trials: must be in 1..1000, got -1"),
@@ -200,6 +201,18 @@ def test_engine_benchmark_cycles_a_slot_pool_and_compares_bank_types(capsys: pyt
     (row,) = json.loads(capsys.readouterr().out)
     assert row["elems"] == 64
     assert all(row[k] > 0 for k in ("numpy_packets_per_s", "compiled_packets_per_s", "int32_banks_packets_per_s"))
+
+
+def test_aggregator_benchmark_times_each_kind_of_lone_datagram(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks.aggregator --lone: every round's three datagrams do what their cases say (it stops unless each
+    round completed once and was answered once more from the retained result, and the workers got 2 and 1
+    answers a round), and each case gets its median time."""
+    from benchmarks.aggregator import main
+
+    assert main(["--lone", "--lone-rounds", "20", "--json"]) == 0
+    times = json.loads(capsys.readouterr().out)
+    assert list(times) == ["first request", "completion", "retained answer"]
+    assert all(0 < t < 1e6 for t in times.values())
 
 
 def test_tier_benchmark_times_every_role_on_the_same_rounds() -> None:
