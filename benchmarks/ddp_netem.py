@@ -262,9 +262,7 @@ def report(rows: list[dict]) -> None:
           f"each node and the aggregator in its own namespace, links shaped by tc (both directions){beside}")
     print(f"{'rate':>8} {'loss':>5} {'mode':<12} {'step ms':>8} {'x gloo':>7} {'samples/s':>9} | {'fwd':>6} {'bwd':>7} "
           f"{'encode':>7} {'network':>8} {'decode':>7} {'agg cpu':>8} {'wrk cpu':>8} {'wait':>5} {'link up':>8} "
-          f"{'link dn':>8} "
-          f"{'MB up':>6} "
-          f"{'retx':>5} same")
+          f"{'link dn':>8} {'MB up':>6} {'retx':>5} same")
     for r in rows:
         ratio = gloo.get(_run_of(r))
         print(f"{r['rate_mbit']:>8g} {r['loss']:>5g} {r['mode']:<12} {r['step_s'] * 1e3:8.1f} "
@@ -273,9 +271,7 @@ def report(rows: list[dict]) -> None:
               f"{r['hook_network_s'] * 1e3:8.1f} {r['hook_decode_s'] * 1e3:7.1f} {r['aggregator_cpu_s'] * 1e3:8.1f} "
               f"{r['worker_cpu_s'] * 1e3:8.1f} {r['hook_wait_s'] * 1e3:5.1f} "
               f"{r['link_up_s'] * 1e3:8.1f} {r['link_down_s'] * 1e3:8.1f} "
-              f"{r['payload_bytes_up'] / 1e6:6.2f} "
-              f"{r['retransmissions']:>5} "
-              f"{r['identical']}")
+              f"{r['payload_bytes_up'] / 1e6:6.2f} {r['retransmissions']:>5} {r['identical']}")
     print("(ms per step; 'x gloo' = step time / gloo's on the same links (same rate, loss and repeat); fwd/bwd "
           "from the training loop, backward includes waiting for the exchange; encode/network/decode: the hook's "
           "thread (THC quantizes beside its data exchange: in network); agg cpu: aggregator CPU time per step; "
