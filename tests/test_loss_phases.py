@@ -130,6 +130,20 @@ def test_the_interval_of_the_median_is_made_of_order_statistics() -> None:
     assert median_interval(np.array([1.0, 2.0, 3.0, 4.0])) == (-math.inf, math.inf)
 
 
+def test_the_interval_of_the_median_of_many_values() -> None:
+    """Pools of a thousand pairs and more (33 runs of the DDP benchmark's phases) have their interval too; the
+    order statistic checked against exact integer sums of the binomial coefficients (2 ** n is past a float's
+    range from n = 1,024 on)."""
+    for n in (1023, 1024, 2500):
+        k = 0
+        total = 0  # sum of C(n, j) for j < k
+        while 20 * (total + math.comb(n, k)) <= 2 ** n:  # P(Bin(n, 1/2) <= k) <= 5 %
+            total += math.comb(n, k)
+            k += 1
+        values = np.random.default_rng(n).permutation(n).astype(float)
+        assert median_interval(values) == (float(k - 1), float(n - k))
+
+
 def test_verdict_against_the_resent_bytes_time() -> None:
     """100 datagrams of 1,500 bytes resent by all ranks (40 of them by rank 0) need 1.2 ms at 1 Gbit/s on the
     aggregator's link: an interval wholly below is met, wholly above missed, across it undecided."""
