@@ -101,6 +101,8 @@ def test_job_spec_and_config_errors_are_clear(tmp_path: Path) -> None:
         JobConfig(workers=32, elems=1024)
     with pytest.raises(JobConfigError, match="empty job spec: give key=value pairs"):
         parse_job_spec(" ")
+    with pytest.raises(JobConfigError, match="workers is given twice \\('2' and '3'\\)"):
+        parse_job_spec("job=1,workers=2, workers = 3")
     bad = tmp_path / "jobs.toml"
     bad.write_text("[[job]]\njob = 1\nworkerz = 3\n")
     with pytest.raises(JobConfigError, match="unknown keys \\['workerz'\\]"):

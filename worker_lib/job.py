@@ -450,8 +450,10 @@ def parse_job_spec(spec: str) -> JobConfig:
     for part in filter(None, (s.strip() for s in spec.split(","))):
         if "=" not in part:
             raise JobConfigError(f"job spec {spec!r}: expected key=value, got {part!r}")
-        k, v = part.split("=", 1)
-        raw[k.strip()] = v.strip()
+        k, v = (x.strip() for x in part.split("=", 1))
+        if k in raw:  # the later one silently won: the job ran with a setting its user did not mean
+            raise JobConfigError(f"job spec {spec!r}: {k} is given twice ({raw[k]!r} and {v!r})")
+        raw[k] = v
     return job_from_mapping(raw, f"job spec {spec!r}")
 
 
