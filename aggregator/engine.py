@@ -28,15 +28,15 @@ from aggregator.prefault import populate_in_background
 from aggregator.state import validate
 from worker_lib.job import JobConfig, JobConfigError
 from worker_lib.wire.bits import unpack_bits
-from worker_lib.wire.layout import HEADER_BYTES, VERSION, PacketType
+from worker_lib.wire.layout import HEADER_BYTES, MAX_MTU, VERSION, PacketType
 from worker_lib.wire.protocol import Counter, Header, serial_newer
 from worker_lib.wire.serializer import batch_of, header_view
 
 log = logging.getLogger(__name__)
 
-#: Largest packet (bytes of UDP payload) a batch row holds by default: any datagram of a 9000-byte
-#: (jumbo) MTU, so that jobs with K up to 8192 8-bit results can be served.
-DEFAULT_STRIDE = 9216
+#: Largest packet (bytes of UDP payload) a batch row holds by default: any datagram of a job's largest MTU
+#: (a jumbo frame), so that jobs with K up to 9152 8-bit results can be served.
+DEFAULT_STRIDE = MAX_MTU
 
 
 # Plain-int views of the enums for the hot path (an IntEnum member lookup costs a metaclass call).

@@ -53,7 +53,7 @@ from topologies.netem.ddp import run_training, start_aggregator
 from worker_lib.cli.args import DDP_ROTATION, ROTATIONS, comma_list, float_in, int_in
 from worker_lib.job import IP_UDP_OVERHEAD, JobConfig, JobConfigError
 from worker_lib.pacing import TAIL_DUPLICATES
-from worker_lib.wire.layout import HEADER_BYTES
+from worker_lib.wire.layout import HEADER_BYTES, MAX_MTU
 
 MODES = ("thc", "thc-mcast", "int32", "int32-mcast", "gloo")
 GROUP = "239.5.5.5:9700"
@@ -434,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rotation", choices=ROTATIONS, default=DDP_ROTATION,
                    help=f"THC's rotation (examples/train_ddp.py --rotation): fixed, with the error feedback kept "
                         f"rotated, or new signs every step (default {DDP_ROTATION})")
-    p.add_argument("--mtu", type=int_in(68, 65535), default=1500,
+    p.add_argument("--mtu", type=int_in(68, MAX_MTU), default=1500,
                    help="MTU of every link, 68..65535 (9000: jumbo frames, for every mode)")
     p.add_argument("--elems", type=int_in(8, 65528),
                    help="elements per aggregator packet K, a multiple of 8 in 8..65528 (default: the job's for the "

@@ -51,6 +51,7 @@ from worker_lib.ddp import AggregatorUnreachable, DDPHookConfig, THCHookState, r
 from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig, JobConfigError, job_from_mapping
 from worker_lib.pacing import TAIL_DUPLICATES
 from worker_lib.transport import STALE_JOB_ADVICE
+from worker_lib.wire.layout import MAX_MTU
 
 log = logging.getLogger("train_ddp")
 _STORE_KEY = "thc/aggregator"
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int_in(1, 65536), default=128, help="aggregator slots S of the job, 1..65536")
     p.add_argument("--elems", type=int_in(8, 65528),
                    help="indices per packet K, a multiple of 8 (default: the aggregator's, MTU-bound)")
-    p.add_argument("--mtu", type=int_in(68, 65535), default=1500,
+    p.add_argument("--mtu", type=int_in(68, MAX_MTU), default=1500,
                    help="path MTU the job's packets must fit, 68..65535 (9000: jumbo frames)")
     p.add_argument("--shards", type=int_in(1, 64), default=1, help="aggregator shards (ports PORT..PORT+P-1), 1..64")
     p.add_argument("--gro", action=argparse.BooleanOptionalAction, default=True,

@@ -28,7 +28,7 @@ from worker_lib.cli.args import comma_list, float_in, fraction, host_port, int_i
 from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, JobConfig, JobConfigError, job_from_mapping
 from worker_lib.pacing import TAIL_DUPLICATES
 from worker_lib.wire.bits import pack_bits
-from worker_lib.wire.layout import PacketType
+from worker_lib.wire.layout import MAX_MTU, PacketType
 from worker_lib.wire.serializer import build_batch, decode_sums, header_view
 
 
@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="aggregator slots S of the job: the most chunks a worker has in flight")
     p.add_argument("--elems", type=int_in(1, 65535),
                    help="indices per packet K (default: the largest whose results fit the MTU: 1440 at 1500 bytes)")
-    p.add_argument("--mtu", type=int_in(68, 65535), default=1500,
+    p.add_argument("--mtu", type=int_in(68, MAX_MTU), default=1500,
                    help="path MTU the job's packets must fit (9000: jumbo frames)")
     p.add_argument("--seed", type=int_in(0, (1 << 32) - 1), default=0,
                    help="seed of the gradients, the quantization and the simulated loss")

@@ -101,6 +101,9 @@ def test_job_spec_and_config_errors_are_clear(tmp_path: Path) -> None:
         JobConfig(workers=32, elems=1024)
     with pytest.raises(JobConfigError, match="empty job spec: give key=value pairs"):
         parse_job_spec(" ")
+    with pytest.raises(JobConfigError,
+                       match=r"^job 2: mtu must be in 68\.\.9216 \(IPv4's least to a jumbo frame\), got 9217$"):
+        parse_job_spec("job=2,mtu=9217")
     with pytest.raises(JobConfigError, match="workers is given twice \\('2' and '3'\\)"):
         parse_job_spec("job=1,workers=2, workers = 3")
     bad = tmp_path / "jobs.toml"
@@ -334,6 +337,9 @@ def test_control_commands_add_list_remove() -> None:
         assert ask("remove 12") == "ok: job 12 removed"
         assert ask("remove 12").startswith("error: no job 12")
         assert ask("add job=1,workers=99").startswith("error: job 1: workers must be in 1..32")
+        # datagrams larger than the aggregator's rows: refused in the reply (this add used to kill the aggregator)
+        assert ask("add job=13,workers=1,mtu=65535").startswith("error: job 13: mtu must be in 68..9216")
+        assert norm_roundtrip(port, first) == 2.5
         assert ask("frobnicate").startswith("error: unknown command")
         with pytest.raises(AggregatorUnreachable):
             norm_roundtrip(port, cfg, deadline=0.3)

@@ -79,7 +79,7 @@ CASES = [
     ("ddp_netem", ["--loss-phases", "1", "--loss", "0,1,2"], "--loss-phases needs --loss 0,P"),
     ("ddp_netem", ["--loss-phases", "0"], "--loss-phases: must be in 0.1..3600, got 0"),
     ("ddp_netem", ["--elems", "12"], "elems (K) must be a positive multiple of 8"),
-    ("ddp_netem", ["--mtu", "0"], "--mtu: must be in 68..65535, got 0"),
+    ("ddp_netem", ["--mtu", "0"], "--mtu: must be in 68..9216, got 0"),
     ("ddp_netem", ["--timeout", "0"], "--timeout: must be in 0.0001..60, got 0"),
     ("ddp_netem", ["--width", "0"], "--width: must be in 1..16384, got 0"),
     ("ddp_netem", ["--json", "/nonexistent/rows.json"], "--json: expected a file in an existing folder"),

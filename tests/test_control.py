@@ -57,6 +57,7 @@ def test_bad_commands_get_one_line_and_change_nothing() -> None:
                        ("remove x", "error: remove takes one job id (remove ID), got 'x'"),
                        ("remove", "error: remove takes one job id"), ("remove 1 3", "error: remove takes one job id"),
                        ("add job=1,workers=99", "error: job 1: workers must be in 1..32"),
+                       ("add job=1,workers=2,mtu=9217", "error: job 1: mtu must be in 68..9216"),
                        ("add", "error: add needs the job's id in its spec"),
                        ("add workers=8", "error: add needs the job's id in its spec"),  # would replace job 1
                        ("frobnicate", USAGE), ("", USAGE)):

@@ -26,7 +26,7 @@ REFUSALS = [
     (["--bucket-cap-mb", "0"], "--bucket-cap-mb: must be in 0.001..65536, got 0"),
     (["--bits", "9"], "--bits: must be in 1..8, got 9"),
     (["--slots", "0"], "--slots: must be in 1..65536, got 0"),
-    (["--mtu", "10"], "--mtu: must be in 68..65535, got 10"),
+    (["--mtu", "10"], "--mtu: must be in 68..9216, got 10"),
     (["--elems", "0"], "--elems: must be in 8..65528, got 0"),
     (["--job-id", "70000"], "--job-id: must be in 0..65535, got 70000"),
     (["--key", "-1"], "--key: must be in 0..4294967295, got -1"),

@@ -26,6 +26,7 @@ from worker_lib.wire.layout import (
     DAR_PREFIX_BYTES,
     HEADER_BYTES,
     IP_UDP_OVERHEAD,
+    MAX_MTU,
     MAX_WORKERS,
     RESULT_WIDTHS,
     PacketType,
@@ -124,6 +125,9 @@ class JobConfig:
                                      f"(224.0.0.0/4), got {self.multicast!r}")
         if not 1 <= self.slots <= 1 << 16:
             raise JobConfigError(f"job {self.job}: slots must be in 1..65536, got {self.slots}")
+        if not 68 <= self.mtu <= MAX_MTU:  # an aggregator's rows hold a jumbo frame's datagram, no more
+            raise JobConfigError(f"job {self.job}: mtu must be in 68..{MAX_MTU} (IPv4's least to a jumbo frame), "
+                                 f"got {self.mtu}")
         if self.kind == "dar":
             self._check_dar()
             return

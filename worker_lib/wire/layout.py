@@ -28,6 +28,8 @@ ROUND_BITS = 16
 RESULT_WIDTHS = (8, 16, 32)
 #: Bytes of IPv4 + UDP in front of the THC header (the path MTU counts these, not Ethernet).
 IP_UDP_OVERHEAD = 28
+#: Largest MTU a job may use (a jumbo frame): the aggregators' receive rows are sized for its datagrams.
+MAX_MTU = 9216
 #: Bytes of the prefix of every DAR_DATA / DAR_RESULT payload: the message's total bit count and its
 #: fragment count, two big-endian uint32 (so that reassembly needs no other state).
 DAR_PREFIX_BYTES = 8
