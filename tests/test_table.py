@@ -110,7 +110,8 @@ def test_minimal_granularity_is_the_identity():
 @pytest.mark.parametrize("bits,g,p,match", [(4, 14, 0.1, "granularity must be >="), (0, 5, 0.1, "bits"),
                                             (9, 600, 0.1, "bits"), (2, 5, 0.0, "p must lie"),
                                             (2, 5, 1.0, "p must lie"), (2, 5, -0.5, "p must lie"),
-                                            (2, 10**6, 0.1, "not supported")])
+                                            (2, 10**6, 0.1, "not supported"),
+                                            (2, 5, 1e-300, r"too small: 1 - p/2 rounds to 1")])
 def test_bad_parameters(bits, g, p, match):
     with pytest.raises(ValueError, match=match):
         solve_table(bits, g, p)

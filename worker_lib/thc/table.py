@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -56,7 +57,10 @@ def truncation_threshold(p: float) -> float:
     """t_p = Phi^-1(1 - p/2): a standard normal leaves [-t_p, t_p] with probability p."""
     if not 0.0 < p < 1.0:
         raise ValueError(f"p must lie in (0, 1), got {p!r}")
-    return float(ndtri(1.0 - p / 2.0))
+    t_p = float(ndtri(1.0 - p / 2.0))
+    if t_p == math.inf:  # the table's grid would be all inf and nan, refused later under another name
+        raise ValueError(f"p = {p!r} is too small: 1 - p/2 rounds to 1 in a double, so t_p is infinite")
+    return t_p
 
 
 def validate_parameters(bits: int, granularity: int) -> None:
