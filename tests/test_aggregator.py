@@ -113,6 +113,10 @@ def test_job_spec_and_config_errors_are_clear(tmp_path: Path) -> None:
     bad.write_text("[[job]]\njob = 2\nworkers = 0\n")  # a setting out of range names the file too
     with pytest.raises(JobConfigError, match=f"^{bad}: job 2: workers must be in 1..32, got 0$"):
         load_jobs(bad)
+    bad.write_text("[[job]]\njob = 2\nbits = 2\ngranularity = 5\ntable = [0, 1.5, 3, 5]\n")  # int() gave 1
+    with pytest.raises(JobConfigError, match=re.escape("table must be integers (N:N:... in a spec, an array in a "
+                                                       "file), got [0, 1.5, 3, 5]")):
+        load_jobs(bad)
     bad.write_bytes(b"\xff\xfe[[job]]")
     with pytest.raises(JobConfigError, match=f"^{bad}: not a UTF-8 text file"):
         load_jobs(bad)

@@ -80,7 +80,7 @@ def test_layout_numbers_workers_leaf_by_leaf_and_sizes_each_tier() -> None:
     ("leaves=0:3", "leaves must list"),
     ("leaves=" + ":".join(["1"] * 33), "leaves must list"),
     ("leaves=33", "leaves must list"),
-    ("leaves=a:b", "integers separated by ':'"),
+    ("leaves=a:b", r"leaves must be integers \(N:N:\.\.\. in a spec"),
     ("leaves=4:4,multicast=239.1.1.1:5000", "unicast"),
     ("leaves=16:16,granularity=30,result_bits=8", "does not fit 8-bit results"),
 ])

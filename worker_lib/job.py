@@ -406,10 +406,7 @@ def job_from_mapping(raw: dict[str, Any], where: str = "job") -> JobConfig:
         elif k == "p" and isinstance(v, str):
             v = _parse_fraction(v, where)
         elif k in ("table", "leaves") and v is not None:
-            try:
-                v = tuple(int(x) for x in (v.split(":") if isinstance(v, str) else v))
-            except (TypeError, ValueError):
-                raise JobConfigError(f"{where}: {k} must be integers separated by ':', got {v!r}") from None
+            v = _integers(v, f"{where}: {k}")
         vals[k] = v
     if vals.get("leaves") and "workers" not in vals:
         vals["workers"] = sum(vals["leaves"])  # a two-tier job's workers are its leaves'
@@ -444,6 +441,19 @@ def _parse_fraction(text: str, where: str) -> float:
         return parse_fraction(text)
     except ValueError:
         raise JobConfigError(f"{where}: p must be a number or a fraction like 1/32, got {text!r}") from None
+
+
+def _integers(value: object, what: str) -> tuple[int, ...]:
+    """A spec's ``N:N:...`` or a TOML array of integers as a tuple; anything else (a TOML 1.5, which int()
+    would truncate to 1, or true) refused, naming ``what``."""
+    items = value.split(":") if isinstance(value, str) else value
+    try:
+        out = tuple(int(x) if isinstance(x, str) else x for x in items)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        out = None
+    if out is None or not all(is_integer(x) for x in out):
+        raise JobConfigError(f"{what} must be integers (N:N:... in a spec, an array in a file), got {value!r}")
+    return tuple(int(x) for x in out)
 
 
 def parse_job_spec(spec: str) -> JobConfig:
