@@ -189,7 +189,8 @@ class JobConfig:
             if value is not None and not is_integer(value):
                 raise JobConfigError(f"job {self.job!r}: {name} must be an integer, got {value!r}")
         if isinstance(self.p, bool) or not isinstance(self.p, (int, float, np.floating)):
-            raise JobConfigError(f"job {self.job}: p must be a number (parse_fraction reads '1/32'), got {self.p!r}")
+            raise JobConfigError(f"job {self.job}: p must be a number, got {self.p!r} (a job file or spec "
+                                 "also takes a fraction like '1/32')")
         for name in ("table", "leaves"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, (str, bytes)) or not hasattr(value, "__iter__")):
