@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -93,7 +94,8 @@ port_number = int_in(0, 65535)
 
 
 def host_port(text: str) -> tuple[str, int]:
-    """An argparse type: ``HOST:PORT`` (HOST may be empty: 127.0.0.1) with a port in 1..65535."""
+    """An argparse type: ``HOST:PORT`` (HOST may be empty: 127.0.0.1) with a port in 1..65535, HOST an IPv4
+    address or a name that resolves to one (the wire is IPv4: checked here, not in the workers that use it)."""
     host, sep, port = text.rpartition(":")
     try:
         num = int(port)
@@ -101,7 +103,13 @@ def host_port(text: str) -> tuple[str, int]:
         num = -1
     if not sep or not 1 <= num <= 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port in 1..65535, got {text!r}")
-    return host or "127.0.0.1", num
+    host = host or "127.0.0.1"
+    try:
+        socket.gethostbyname(host)
+    except (OSError, UnicodeError):
+        raise argparse.ArgumentTypeError(f"{host!r} in {text!r} is not an IPv4 address or a name that resolves to "
+                                         "one") from None
+    return host, num
 
 
 def log_level(text: str) -> str:
