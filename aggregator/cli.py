@@ -10,7 +10,7 @@ from pathlib import Path
 from aggregator.control import ControlAddress, ControlConfig, read_token
 from aggregator.server import AggregatorServer, ServerConfig
 from aggregator.tier_server import TierServer, TierServerConfig
-from worker_lib.cli.args import float_in, host_port, int_in, log_level, port_number
+from worker_lib.cli.args import float_in, host_port, int_in, ipv4_host, log_level, port_number
 from worker_lib.job import DEFAULT_JOB_ID, DEFAULT_KEY, load_jobs, parse_job_spec, unique_jobs
 from worker_lib.wire.layout import THC_UDP_PORT
 
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                "result_bits=16,slots=128,elems=512' or a decompress-aggregate-recompress job 'job=3,kind=dar,"
                "codec=topk10,length=65536,max_message=65536,workers=4,slots=4' (repeatable) or a TOML file "
                "(--config, reloaded on SIGHUP). SIGINT/SIGTERM stop cleanly.")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--host", type=ipv4_host, default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=port_number, default=THC_UDP_PORT,
                    help=f"UDP port of shard 0 (shard i uses port+i); 0 picks a free range (default {THC_UDP_PORT})")
     p.add_argument("--shards", type=int_in(1, 64), default=1, help="processes; shard i owns slots s with s mod P == i")
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print packets/s, elements/s, drops, stragglers and completions every SECONDS")
     p.add_argument("--metrics-port", type=port_number,
                    help="export the counters for Prometheus on this TCP port (on --metrics-host)")
-    p.add_argument("--metrics-host", default="127.0.0.1",
+    p.add_argument("--metrics-host", type=ipv4_host, default="127.0.0.1",
                    help="address of the Prometheus endpoint (default: loopback only)")
     p.add_argument("--control", metavar="PATH|HOST:PORT", type=_control_address,
                    help="accept the commands 'add SPEC', 'remove ID', 'list', 'stats' (thc-control) on a Unix "

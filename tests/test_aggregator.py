@@ -429,6 +429,7 @@ def test_control_socket_is_private_and_token_checked(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("argv, says", [
     (["--port", "70000"], "--port: must be in 0..65535, got 70000"),
+    (["--host", "nonexistent.invalid"], "--host: 'nonexistent.invalid' is not an IPv4 address or a name that resolves"),
     (["--port", "-1"], "--port: must be in 0..65535, got -1"),
     (["--port", "http"], "--port: expected an integer, got 'http'"),
     (["--shards", "0"], "--shards: must be in 1..64, got 0"),

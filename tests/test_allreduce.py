@@ -118,8 +118,8 @@ def test_lengths_that_do_not_fill_a_chunk(args: tuple[str, ...]) -> None:
 
 @pytest.mark.parametrize("argv, says", [
     (["--aggregator", "127.0.0.1:70000"], "--aggregator: expected HOST:PORT with a port in 1..65535"),
-    (["--aggregator", "[::1]:9451"], "--aggregator: '[::1]' in '[::1]:9451' is not an IPv4 address or a name"),
-    (["--aggregator", "nonexistent.invalid:9451"], "'nonexistent.invalid' in 'nonexistent.invalid:9451' is not"),
+    (["--aggregator", "[::1]:9451"], "--aggregator: '[::1]' is not an IPv4 address or a name that resolves to one"),
+    (["--aggregator", "nonexistent.invalid:9451"], "--aggregator: 'nonexistent.invalid' is not an IPv4"),
     (["--aggregator", "127.0.0.1:9451", "--aggregators", "2"], "--aggregators N starts N aggregators"),
     (["--aggregators", "0"], "--aggregators: must be in 1..64, got 0"),
     (["--workers", "0"], "--workers: must be in 1..32, got 0"),

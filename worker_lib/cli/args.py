@@ -94,8 +94,8 @@ port_number = int_in(0, 65535)
 
 
 def host_port(text: str) -> tuple[str, int]:
-    """An argparse type: ``HOST:PORT`` (HOST may be empty: 127.0.0.1) with a port in 1..65535, HOST an IPv4
-    address or a name that resolves to one (the wire is IPv4: checked here, not in the workers that use it)."""
+    """An argparse type: ``HOST:PORT`` (HOST may be empty: 127.0.0.1; else ``ipv4_host``) with a port in
+    1..65535."""
     host, sep, port = text.rpartition(":")
     try:
         num = int(port)
@@ -103,13 +103,17 @@ def host_port(text: str) -> tuple[str, int]:
         num = -1
     if not sep or not 1 <= num <= 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port in 1..65535, got {text!r}")
-    host = host or "127.0.0.1"
+    return ipv4_host(host or "127.0.0.1"), num
+
+
+def ipv4_host(text: str) -> str:
+    """An argparse type: an IPv4 address or a name that resolves to one (the wire is IPv4: checked when the
+    option is read, not where a socket or a forked worker first uses it)."""
     try:
-        socket.gethostbyname(host)
+        socket.gethostbyname(text)
     except (OSError, UnicodeError):
-        raise argparse.ArgumentTypeError(f"{host!r} in {text!r} is not an IPv4 address or a name that resolves to "
-                                         "one") from None
-    return host, num
+        raise argparse.ArgumentTypeError(f"{text!r} is not an IPv4 address or a name that resolves to one") from None
+    return text
 
 
 def log_level(text: str) -> str:
