@@ -426,6 +426,9 @@ def test_config_validation_and_defaults() -> None:
         DDPHookConfig(JobConfig(kind="dar", codec="topk10", length=100, max_message=1000))
     with pytest.raises(ValueError, match="loss_policy"):
         DDPHookConfig(loss_policy="maybe")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"job must be a JobConfig \(worker_lib.job.parse_job_spec reads a spec\), "
+                                         "got 'job=2,workers=4'"):
+        DDPHookConfig("job=2,workers=4")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="port"):
         DDPHookConfig(aggregator=("127.0.0.1", 0))
     with pytest.raises(ValueError, match=r"port in 1..65535, got \('10.0.0.2', 70000\)"):

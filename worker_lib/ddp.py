@@ -114,6 +114,8 @@ class DDPHookConfig:
     def __post_init__(self) -> None:
         if self.rotation is None:  # frozen: the chosen default is the setting the ranks compare
             object.__setattr__(self, "rotation", DDP_ROTATION if self.error_feedback else "per-step")
+        if not isinstance(self.job, JobConfig):  # a spec string is a likely slip: parse_job_spec makes one
+            raise ValueError(f"job must be a JobConfig (worker_lib.job.parse_job_spec reads a spec), got {self.job!r}")
         if self.job.kind not in ("thc", "uncompressed"):
             raise ValueError(f"the job's kind must be 'thc' or 'uncompressed' for the DDP hook, got {self.job.kind!r}")
         if self.loss_policy not in ("reliable", "zero-fill"):
