@@ -435,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"THC's rotation (examples/train_ddp.py --rotation): fixed, with the error feedback kept "
                         f"rotated, or new signs every step (default {DDP_ROTATION})")
     p.add_argument("--mtu", type=int_in(68, MAX_MTU), default=1500,
-                   help="MTU of every link, 68..65535 (9000: jumbo frames, for every mode)")
+                   help=f"MTU of every link, 68..{MAX_MTU} (9000: jumbo frames, for every mode)")
     p.add_argument("--elems", type=int_in(8, 65528),
                    help="elements per aggregator packet K, a multiple of 8 in 8..65528 (default: the job's for the "
                         "MTU; capped at what fits it)")

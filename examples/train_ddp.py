@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--elems", type=int_in(8, 65528),
                    help="indices per packet K, a multiple of 8 (default: the aggregator's, MTU-bound)")
     p.add_argument("--mtu", type=int_in(68, MAX_MTU), default=1500,
-                   help="path MTU the job's packets must fit, 68..65535 (9000: jumbo frames)")
+                   help=f"path MTU the job's packets must fit, 68..{MAX_MTU} (9000: jumbo frames)")
     p.add_argument("--shards", type=int_in(1, 64), default=1, help="aggregator shards (ports PORT..PORT+P-1), 1..64")
     p.add_argument("--gro", action=argparse.BooleanOptionalAction, default=True,
                    help="read runs of answers that arrive whole as one message (UDP_GRO, where the kernel has it; "
