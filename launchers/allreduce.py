@@ -186,12 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"With --aggregator, the job options must match a job the aggregator serves; by default "
                f"that is thc-aggregator's default job {DEFAULT_JOB_ID} (key {DEFAULT_KEY:#x}, 4 workers, "
                "b=4, g=30, p=1/32).")
-    p.add_argument("--workers", type=int_in(1, 32), default=4, help="worker processes (n, at most 32)")
+    p.add_argument("--workers", type=int_in(1, 32),
+                   help="worker processes (n, at most 32; default 4, or with --leaves the leaves' sum)")
     p.add_argument("--dim", type=int_in(1, 1 << 31), default=1 << 20, help="coordinates per gradient (default 2^20)")
     p.add_argument("--steps", type=int_in(1, 1 << 20), default=1, help="allreduce steps (error feedback carries over)")
     p.add_argument("--leaves", metavar="N0:N1:...",
                    help="two tiers: start a spine and one leaf per entry, leaf l serving N_l of the workers "
-                        "(their sum must be --workers; docs/protocol.md 'Two tiers')")
+                        "(their sum is the workers; docs/protocol.md 'Two tiers')")
     p.add_argument("--parent-loss", type=float_in(0, 0.99), default=0.0, metavar="P",
                    help="with --leaves: each leaf drops this fraction of its packets to and from the spine")
     p.add_argument("--leaf-engine", choices=("compiled", "numpy", "reference"),
@@ -257,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> dict:
     """Run the allreduce; returns the summary dict."""
     leaves = job_from_mapping({"leaves": args.leaves}, "--leaves").leaves if args.leaves else None
+    if args.workers is None:  # --leaves 2:2 alone means 4 workers, as leaves=2:2 in a job spec does
+        args.workers = sum(leaves) if leaves else 4
     job = JobConfig(job=args.job, key=args.key, workers=args.workers, threshold=args.threshold, bits=args.bits,
                     granularity=args.granularity, p=args.p, slots=args.slots, elems=args.elems,
                     multicast=args.multicast, mtu=args.mtu, leaves=leaves)

@@ -365,6 +365,16 @@ def test_thc_allreduce_over_two_tiers_is_exact_with_loss_on_every_link(leaf_engi
     assert s["aggregator"].startswith("spine ") and len(s["aggregator"].split("leaves ")[1].split(",")) == 2
 
 
+def test_thc_allreduce_takes_the_workers_from_the_leaves() -> None:
+    """--leaves 1:2 alone means three workers, as leaves=1:2 in a job spec does (the default of 4 used to be
+    refused with 'workers=4 but the leaves hold 3', for a --workers never given)."""
+    out = subprocess.run([sys.executable, "-m", "launchers.allreduce", "--leaves", "1:2", "--dim", "3000", "--json"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    s = json.loads(out.stdout)
+    assert s["workers"] == 3 and s["exact"] is True
+
+
 def test_a_new_run_on_a_two_tier_job_another_run_used_is_refused() -> None:
     """A second run on a two-tier job that a first run used, each opened with its own nonce: where the first
     run left slot 0 two rounds on, the opening draws a straggler notice (before, it was given up and the
