@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -95,6 +96,17 @@ _FLAT_ONLY = ("shards", "member", "multicast", "busy_poll", "gro", "metrics_port
               "control_token_file", "pcap")
 
 
+def _say(line: str) -> None:
+    """Print a status line (listening, statistics, reloads, control changes) at once. Once stdout's reader is
+    gone (``thc-aggregator | head``, a closed log pipe), the lines are dropped and the server keeps serving:
+    a BrokenPipeError used to end it. stdout then points at /dev/null, so that the interpreter's flush at
+    exit does not raise again (the ``signal``/``SIGPIPE`` note of Python's documentation)."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def _refused(exc: Exception) -> int:
     """One line on stderr; exit status 2 for a configuration out of range, 1 for an address or file it
     cannot use."""
@@ -118,16 +130,16 @@ def serve_tier(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
                                              upstream=args.upstream, batch=args.batch,
                                              stats_interval=args.stats_interval, parent_loss=args.parent_loss,
                                              seed=args.seed, engine=args.engine),
-                            out=lambda s: print(s, flush=True))
+                            out=_say)
     except (ValueError, OSError) as exc:  # JobConfigError is a ValueError
         return _refused(exc)
     server.install_signal_handlers()
     ids = ", ".join(f"{j.job} ({j.kind}, leaves={':'.join(map(str, j.leaves))}, threshold={j.threshold}, "
                     f"K={j.elems}, S={j.slots})" for j in server.jobs)
     where = f" leaf={args.leaf} upstream={args.upstream[0]}:{args.upstream[1]}" if args.role == "leaf" else ""
-    print(f"thc-aggregator listening on {args.host}:{server.port} role={args.role}{where} jobs: {ids}", flush=True)
+    _say(f"thc-aggregator listening on {args.host}:{server.port} role={args.role}{where} jobs: {ids}")
     server.serve()
-    print("thc-aggregator stopped: " + " ".join(f"{k}={v}" for k, v in server.totals().items()), flush=True)
+    _say("thc-aggregator stopped: " + " ".join(f"{k}={v}" for k, v in server.totals().items()))
     return 0
 
 
@@ -154,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                            stats_interval=args.stats_interval, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, config_path=args.config, jobs=jobs, pcap=args.pcap,
                            control=control, engine=args.engine)
-        server = AggregatorServer(cfg, out=lambda s: print(s, flush=True))
+        server = AggregatorServer(cfg, out=_say)
     except (ValueError, OSError) as exc:  # JobConfigError is a ValueError
         return _refused(exc)
     server.install_signal_handlers()
@@ -163,10 +175,9 @@ def main(argv: list[str] | None = None) -> int:
                     for j in server.jobs)
     control = f" control={server.control.address}" if server.control is not None else ""
     member = f" member={args.member[0]}/{args.member[1]}" if args.member[1] > 1 else ""
-    print(f"thc-aggregator listening on {args.host}:{server.port} shards={args.shards}{member}{control} jobs: {ids}",
-          flush=True)
+    _say(f"thc-aggregator listening on {args.host}:{server.port} shards={args.shards}{member}{control} jobs: {ids}")
     server.serve()
-    print("thc-aggregator stopped", flush=True)
+    _say("thc-aggregator stopped")
     return 0
 
 

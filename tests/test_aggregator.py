@@ -427,6 +427,19 @@ def test_control_socket_is_private_and_token_checked(tmp_path: Path) -> None:
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+def test_the_server_outlives_the_reader_of_its_status_lines() -> None:
+    """thc-aggregator | head: once the pipe's reader is gone, the statistics lines are dropped and the jobs
+    keep being served (a BrokenPipeError used to end the server with a traceback)."""
+    cfg = JobConfig(job=11, key=0x11, workers=1, slots=4, elems=K)
+    with aggregator("--job", spec(cfg), "--stats-interval", "0.05") as (proc, port):
+        proc.stdout.close()  # the reader goes; the next statistics line meets a closed pipe
+        time.sleep(0.5)
+        assert proc.poll() is None and norm_roundtrip(port, cfg) == 2.5
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 0
+        assert "Traceback" not in proc.stderr.read()
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--port", "70000"], "--port: must be in 0..65535, got 70000"),
     (["--host", "nonexistent.invalid"], "--host: 'nonexistent.invalid' is not an IPv4 address or a name that resolves"),
