@@ -11,6 +11,7 @@ notices) to their senders.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -202,6 +203,18 @@ class AddressBook:
         return dests if len(dests) else None
 
 
+def in_arrival_order(rows: np.ndarray, addrs: np.ndarray, src: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sends ``rows`` (output rows) to ``addrs`` (sockaddr_in rows), destination by destination (one GSO
+    run each where lengths agree), each destination's in the order of the packets that caused them (``src``:
+    the input row of each output), as one-by-one handling sends them. Answers went ahead of the batch's
+    completions: a retained result answered to a worker's duplicate of a late use reached it before the
+    completion of an earlier use of the same batch, and RACK (worker_lib/pacing.py) took that one for lost
+    and resent it (all 12 first uses of a 16-use exchange, in a test on a loaded machine)."""
+    dest = np.ascontiguousarray(addrs[:, :8]).view(np.uint64).ravel()  # family, port and IPv4 address
+    order = np.lexsort((src[rows], dest))
+    return rows[order], addrs[order]
+
+
 class Shard:
     """One shard: a socket, a state machine, and the loop between them."""
 
@@ -280,7 +293,7 @@ class Shard:
         self.book.start_batch()
         if self.pcap is not None:
             for i in range(n):
-                self.pcap.write(sockaddr_to_tuple(io.rx_addr[i]), self.local, io.rx[i, : io.rx_len[i]].tobytes())
+                self._capture(sockaddr_to_tuple(io.rx_addr[i]), self.local, io.rx[i, : io.rx_len[i]].tobytes())
         if not _any_dar(io.rx, io.rx_len, n):
             out = self.agg.process(io.rx[:n], io.rx_len[:n])
             good = self.agg.last_good
@@ -354,6 +367,8 @@ class Shard:
             return
         rows = np.concatenate(rows_l)
         addrs = np.concatenate(addr_l)
+        if uni.size and fo.size:  # answers and completions: each destination's in the order their packets came
+            rows, addrs = in_arrival_order(rows, addrs, out.src)
         lengths = out.length[rows]
         self.io.send(out.buf, rows, lengths, addrs)
         self._pcap_sent(out.buf, rows, addrs, lengths)
@@ -362,11 +377,27 @@ class Shard:
         """Write what was just sent to the pcap, if any."""
         if self.pcap is not None:
             for r, a, ln in zip(rows.tolist(), addrs, lengths.tolist(), strict=True):
-                self.pcap.write(self.local, sockaddr_to_tuple(a), buf[r, :ln].tobytes())
+                self._capture(self.local, sockaddr_to_tuple(a), buf[r, :ln].tobytes())
+
+    def _capture(self, src: tuple[str, int], dst: tuple[str, int], payload: bytes) -> None:
+        """One datagram to the pcap. A capture that fails (a full disk: the writes flush every 8 kB) stops, with
+        one log line, and the jobs keep being served: a debugging aid must not end the service."""
+        if self.pcap is None:
+            return
+        try:
+            self.pcap.write(src, dst, payload)
+        except OSError as exc:
+            log.error("pcap %s: capture stopped, the jobs keep being served: %s", self.pcap.path, exc)
+            self._close_pcap()
+
+    def _close_pcap(self) -> None:
+        pcap, self.pcap = self.pcap, None
+        if pcap is not None:
+            with contextlib.suppress(OSError):  # what the failed flush left is lost with the capture
+                pcap.close()
 
     def close(self) -> None:
-        if self.pcap is not None:
-            self.pcap.close()
+        self._close_pcap()
         self.io.sock.close()
 
 

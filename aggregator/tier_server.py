@@ -26,7 +26,7 @@ from typing import Literal
 import numpy as np
 
 from aggregator.leaf_engine import LeafEngine
-from aggregator.shard import AddressBook, WorkerAddresses
+from aggregator.shard import AddressBook, WorkerAddresses, in_arrival_order
 from aggregator.tiers import Dest, LeafAggregator, SpineAggregator
 from worker_lib.batch_io import BatchSocket, sockaddr_in, udp_socket
 from worker_lib.job import JobConfig, JobConfigError
@@ -175,7 +175,7 @@ class TierServer:
 
     def _step_engine(self) -> int:
         """A leaf's batch through the leaf engine: the same datagrams to the same addresses as the
-        reference handling them one by one (up to their order across slots)."""
+        reference handling them one by one, each address's in the same order."""
         io = self.io
         n = io.recv()
         if n == 0:
@@ -214,8 +214,10 @@ class TierServer:
         if fan.size:
             self.book.fan_out(addr, fan, out.job[fan], out.src[fan], sel_rows, sel_addr)
         if sel_rows:
-            r = np.concatenate(sel_rows)
-            io.send(out.buf, r, out.length[r], np.concatenate(sel_addr))
+            r, a = np.concatenate(sel_rows), np.concatenate(sel_addr)
+            if uni.size and fan.size:  # a worker's answers in the order of their packets, as the reference's
+                r, a = in_arrival_order(r, a, out.src)
+            io.send(out.buf, r, out.length[r], a)
         return n
 
     def _lose(self) -> bool:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from aggregator.cli import build_parser
 from aggregator.server import ServerConfig
-from aggregator.shard import Shard
+from aggregator.shard import Shard, in_arrival_order
 from tests.test_fuzz import CFG, UNCOMPRESSED, _damaged, _uncompressed_wire, _wire, damage, packet
 from worker_lib.batch_io import sockaddr_in
 from worker_lib.job import JobConfig
@@ -30,10 +30,10 @@ SOURCES = [sockaddr_in("127.0.0.1", 40000 + i) for i in range(5)]
 class Recorded:
     """A Shard on a loopback socket whose datagrams are fed directly and whose sends are recorded."""
 
-    def __init__(self, jobs: list[JobConfig]) -> None:
+    def __init__(self, jobs: list[JobConfig], engine: str = "compiled") -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("127.0.0.1", 0))
-        self.shard = Shard(ServerConfig(port=0, batch=64, jobs=jobs), self.sock, 0, jobs)
+        self.shard = Shard(ServerConfig(port=0, batch=64, jobs=jobs, engine=engine), self.sock, 0, jobs)
         self.sent: list[tuple[bytes, bytes]] = []
         self.shard.io.send = self._record  # type: ignore[method-assign]
 
@@ -55,16 +55,21 @@ class Recorded:
         self.shard.close()
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[Recorded, Recorded]]:
-    a, b = Recorded([CFG, UNCOMPRESSED]), Recorded([CFG, UNCOMPRESSED])
+@pytest.fixture(params=["compiled", "numpy"])
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Recorded, Recorded]]:
+    a, b = Recorded([CFG, UNCOMPRESSED], request.param), Recorded([CFG, UNCOMPRESSED], request.param)
     yield a, b
     a.close()
     b.close()
 
 
-def _deliveries(a: Recorded) -> list[tuple[bytes, bytes]]:
-    return sorted(a.sent)
+def _deliveries(a: Recorded) -> dict[bytes, list[bytes]]:
+    """What each destination got, in the order sent: the order of one destination's answers counts (RACK
+    reads it), the order across destinations does not."""
+    out: dict[bytes, list[bytes]] = {}
+    for addr, data in a.sent:
+        out.setdefault(addr, []).append(data)
+    return out
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -138,6 +143,32 @@ def test_dar_burst_delivers_what_one_by_one_delivers() -> None:
         burst.close()
 
 
+def test_a_worker_gets_its_answers_in_the_order_its_packets_came(pair: tuple[Recorded, Recorded]) -> None:
+    """Slot 0 is complete; then one batch brings slot 1's two requests (a completion, to both workers) and
+    worker 0's resend of slot 0 (its retained result, to worker 0 alone). One by one, worker 0 gets slot 1's
+    result first; the burst sent the retained result ahead of the completions, and a worker's RACK took slot
+    1 for lost and resent it."""
+    one, burst = pair
+    cfg = CFG
+
+    def request(w: int, slot: int) -> tuple[bytes, bytes]:
+        return SOURCES[w], Header(**cfg.request_fields(PacketType.DATA, worker=w, slot=slot, round=1)).pack(
+            bytes(cfg.elems * cfg.bits // 8))
+
+    for rec in (one, burst):
+        rec.feed([request(0, 0)])
+        rec.feed([request(1, 0)])
+    one.sent.clear()
+    burst.sent.clear()
+    batch = [request(0, 1), request(1, 1), request(0, 0)]
+    for d in batch:
+        one.feed([d])
+    burst.feed(batch)
+    to_w0 = [Header.unpack_from(pkt).slot for addr, pkt in burst.sent if addr == SOURCES[0]]
+    assert to_w0 == [1, 0]
+    assert _deliveries(burst) == _deliveries(one)
+
+
 def test_results_follow_a_worker_to_its_new_address(pair: tuple[Recorded, Recorded]) -> None:
     """Addresses as the state table's destinations, written out: in one burst, job 4's workers 0 and 1
     send slot 0 from SOURCES[0] and [1] and job 9's worker 0 from SOURCES[2] (two jobs in one batch, each
@@ -206,3 +237,46 @@ def test_a_shard_reads_coalesced_runs_unless_told_not_to(argv: list[str], gro: b
         assert shard.io.gro is gro
     finally:
         shard.close()
+
+
+def test_a_failing_capture_stops_and_the_shard_serves_on(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    """--pcap on a disk that fills: the write that fails stops the capture, with one error line, and the
+    batch is handled as without a capture (an OSError from the pcap ended the shard, every job with it)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    shard = Shard(ServerConfig(port=0, batch=16, jobs=[CFG], pcap=tmp_path / "x.pcap"), sock, 0, [CFG])
+    writes = []
+
+    def full_disk(*frame: object) -> None:
+        writes.append(frame)
+        raise OSError(28, "No space left on device")
+
+    try:
+        shard.pcap.write = full_disk  # type: ignore[union-attr, method-assign]
+        shard.io.rx[:8, :4] = 0xAB  # shorter than any header: dropped and counted as such
+        shard.io.rx_len[:8] = 4
+        shard.io.rx_addr[:8] = np.frombuffer(SOURCES[0], np.uint8)
+        with caplog.at_level("ERROR", logger="aggregator.shard"):
+            shard.handle_batch(8)
+            shard.handle_batch(8)
+        assert shard.pcap is None and len(writes) == 1
+        assert shard.agg.counters[Counter.RX] == 16 and shard.agg.counters[Counter.SHORT] == 16
+        said = f"pcap {tmp_path / 'x.pcap'}: capture stopped, the jobs keep being served: [Errno 28] No space left"
+        assert [r.getMessage() for r in caplog.records] == [f"{said} on device"]
+    finally:
+        shard.close()
+
+
+def test_sends_are_put_in_arrival_order_per_destination() -> None:
+    """``in_arrival_order`` (the shard's and the leaf's mixed batches): an answer caused by the batch's last
+    packet goes after the completions that earlier packets caused, destination by destination, each
+    destination's sends together (one GSO run)."""
+    a, b = (np.frombuffer(SOURCES[i], np.uint8) for i in (0, 1))
+    rows = np.array([5, 0, 1, 0, 1])  # the answer to a's resend first, then the completions to a, then to b
+    addrs = np.stack([a, a, a, b, b])
+    src = np.array([0, 1, 0, 0, 0, 2])  # output row -> the input row that caused it: the resend came last
+    r, ad = in_arrival_order(rows, addrs, src)
+    to = {bytes(x): [int(y) for y, z in zip(r, ad, strict=True) if bytes(z) == bytes(x)] for x in (a, b)}
+    assert to == {bytes(a): [0, 1, 5], bytes(b): [0, 1]}
+    runs = [bytes(x) for x in ad]
+    assert runs in ([bytes(a)] * 3 + [bytes(b)] * 2, [bytes(b)] * 2 + [bytes(a)] * 3)

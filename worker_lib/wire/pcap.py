@@ -52,8 +52,8 @@ class PcapWriter:
         self.count += 1
 
     def close(self) -> None:
+        """Flush and close; the file is closed even where the flush fails (a full disk), which then raises."""
         if not self._fh.closed:
-            self._fh.flush()
             self._fh.close()
 
     def __enter__(self) -> PcapWriter:
