@@ -215,7 +215,7 @@ class TierServer:
             self.book.fan_out(addr, fan, out.job[fan], out.src[fan], sel_rows, sel_addr)
         if sel_rows:
             r, a = np.concatenate(sel_rows), np.concatenate(sel_addr)
-            if uni.size and fan.size:  # a worker's answers in the order of their packets, as the reference's
+            if len(sel_rows) > 1:  # each destination's sends in the order of their packets, as the reference's
                 r, a = in_arrival_order(r, a, out.src)
             io.send(out.buf, r, out.length[r], a)
         return n
