@@ -357,8 +357,6 @@ class Shard:
         addr_l: list[np.ndarray] = []
         uni = np.flatnonzero(~fan)
         if uni.size:
-            if uni.size > 1:  # the engine emits a batch's kinds of answer (retained, notices) apart: packet order
-                uni = uni[np.argsort(out.src[uni], kind="stable")]
             rows_l.append(uni)
             addr_l.append(self.io.rx_addr[rx_rows[out.src[uni]]])
         fo = np.flatnonzero(fan)
@@ -369,7 +367,9 @@ class Shard:
             return
         rows = np.concatenate(rows_l)
         addrs = np.concatenate(addr_l)
-        if len(rows_l) > 1:  # answers and completions, or several jobs: each destination's in packet order
+        # each destination's in packet order where the engine's may differ: several groups (answers and
+        # completions, several jobs), or several answers (it emits retained results and notices kind by kind)
+        if len(rows_l) > 1 or uni.size > 1:
             rows, addrs = in_arrival_order(rows, addrs, out.src)
         lengths = out.length[rows]
         self.io.send(out.buf, rows, lengths, addrs)
